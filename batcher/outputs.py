@@ -1,0 +1,68 @@
+"""Plain data classes the engine hands to its callers."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: Dict[int, float] = field(default_factory=dict)  # token id -> logprob, best first
+
+
+@dataclass
+class Completion:
+    """The whole result of one request."""
+
+    request_id: str
+    prompt_token_ids: List[int]
+    token_ids: List[int]
+    text: str
+    finish_reason: Optional[str]  # "stop" | "length" | "abort"
+    logprobs: Optional[List[TokenLogprob]] = None
+
+
+@dataclass
+class StreamDelta:
+    """What one request gained since the previous delta; finish_reason is set on the last one."""
+
+    request_id: str
+    token_ids: List[int]
+    text: str
+    finish_reason: Optional[str] = None
+    logprobs: Optional[List[TokenLogprob]] = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    waiting: int = 0
+    running: int = 0
+    preemptions: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_usage: float = 0.0  # share of KV blocks in use
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    forward_seconds: float = 0.0  # wall time inside the model forward (with sampling)
+    step_seconds: float = 0.0  # wall time of whole steps
+    kv_slot_use_sum: float = 0.0  # per step: tokens held / slots allocated, summed (mean = /steps)
+    seconds_since_last_step: float = 0.0
+    loop_alive: bool = True
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        return d
