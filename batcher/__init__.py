@@ -1,0 +1,29 @@
+"""batcher: the per-replica continuous-batching engine.
+
+Public API (other packages depend on these names):
+- EngineConfig, SamplingParams: pydantic settings.
+- LLMEngine(config).generate(prompts, params) -> list[Completion]: blocking, offline.
+- AsyncLLMEngine(config): the step loop runs in its own thread;
+  `async for delta in engine.stream(prompt, params, request_id=...)` yields StreamDelta;
+  `await engine.generate(prompt, params)` -> Completion; engine.abort(request_id); engine.stats().
+"""
+from batcher.config import EngineConfig
+from batcher.errors import EngineDeadError, EngineError, InvalidRequestError, RequestTooLongError
+from batcher.outputs import Completion, EngineStats, StreamDelta, TokenLogprob
+from batcher.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncLLMEngine", "Completion", "EngineConfig", "EngineDeadError", "EngineError", "EngineStats",
+    "InvalidRequestError", "LLMEngine", "RequestTooLongError", "SamplingParams", "StreamDelta",
+    "TokenLogprob",
+]
+
+
+def __getattr__(name):  # the engines pull in torch and transformers: import them on first use
+    if name == "LLMEngine":
+        from batcher.llm_engine import LLMEngine
+        return LLMEngine
+    if name == "AsyncLLMEngine":
+        from batcher.async_engine import AsyncLLMEngine
+        return AsyncLLMEngine
+    raise AttributeError(name)
