@@ -66,3 +66,33 @@ class EngineStats:
         d = asdict(self)
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         return d
+
+
+def merge_deltas(first: StreamDelta, later: StreamDelta) -> StreamDelta:
+    """One delta covering both (used to coalesce stream chunks)."""
+    logprobs = None
+    if first.logprobs is not None or later.logprobs is not None:
+        logprobs = (first.logprobs or []) + (later.logprobs or [])
+    return StreamDelta(
+        request_id=first.request_id,
+        token_ids=first.token_ids + later.token_ids,
+        text=first.text + later.text,
+        finish_reason=later.finish_reason,
+        logprobs=logprobs,
+        num_prompt_tokens=later.num_prompt_tokens,
+        num_generated_tokens=later.num_generated_tokens,
+    )
+
+
+def completion_from_deltas(prompt_token_ids: List[int], deltas: List[StreamDelta]) -> Completion:
+    merged = deltas[0]
+    for d in deltas[1:]:
+        merged = merge_deltas(merged, d)
+    return Completion(
+        request_id=merged.request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        token_ids=merged.token_ids,
+        text=merged.text,
+        finish_reason=merged.finish_reason,
+        logprobs=merged.logprobs,
+    )

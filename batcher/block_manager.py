@@ -1,0 +1,142 @@
+"""Paged KV block bookkeeping with prefix caching. Pure Python: no tensors, testable without a model.
+
+A block holds `block_size` consecutive tokens of one or more sequences. A full block is identified by
+the hash of (parent block's hash, its token ids), so equal prefixes map to equal blocks. Freed blocks
+keep their hash and stay reusable until a new allocation evicts them (least recently freed first).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from batcher.sequence import Sequence
+
+_NO_HASH = -1
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = _NO_HASH
+    token_ids: Tuple[int, ...] = ()  # kept with the hash to rule out collisions
+
+
+def chain_hash(parent_hash: int, token_ids: Tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: oldest freed first. Cached ones still sit in hash_to_block.
+        self.free_blocks: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: Dict[int, int] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> List[int]:
+        """Block ids of the longest cached prefix of `seq`, never covering its last token
+        (the step must compute it to get logits). Only for a sequence holding no blocks."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = seq.token_ids
+        num_full = (len(tokens) - 1) // self.block_size
+        found: List[int] = []
+        parent = _NO_HASH
+        for i in range(num_full):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(parent, chunk)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            found.append(block_id)
+            parent = h
+        return found
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Registers the hashes of blocks that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = seq.block_hashes[-1] if seq.block_hashes else _NO_HASH
+            h = chain_hash(parent, chunk)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == _NO_HASH and h not in self.hash_to_block:
+                block.hash, block.token_ids = h, chunk
+                self.hash_to_block[h] = block.block_id
+
+    # -- allocation ---------------------------------------------------------------------------
+    def can_admit(self, seq: Sequence, cached: List[int], num_new_tokens: int, reserve: int) -> bool:
+        """Whether `seq` can hold `num_new_tokens` beyond its cached prefix, leaving `reserve` free."""
+        need = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
+        # Reusing a cached block that sits in the free list takes it out of the free list too.
+        reused_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return self.num_free_blocks - reused_free - need >= reserve
+
+    def admit(self, seq: Sequence, cached: List[int]) -> None:
+        """Gives `seq` its cached prefix blocks; the rest comes from `grow`."""
+        assert not seq.block_table, "admit() takes a sequence that holds no blocks"
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed_tokens
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Makes `seq`'s block table cover `num_new_tokens` more tokens. False if blocks run out."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks go to the free list first, so they are evicted before shared prefixes.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.hash == _NO_HASH:  # nothing worth keeping: reuse it first
+                    self.free_blocks.move_to_end(block_id, last=False)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != _NO_HASH:  # evict the cached content
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = _NO_HASH, ()
+        block.ref_count = 1
+        return block_id
+
+    def used_slots(self) -> int:
+        return (self.num_blocks - self.num_free_blocks) * self.block_size

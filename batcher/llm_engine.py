@@ -1,0 +1,217 @@
+"""LLMEngine: model + scheduler + sampler, one step at a time. Single-threaded; AsyncLLMEngine
+drives it from its own thread."""
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence as Seq, Union
+
+import torch
+
+from batcher.block_manager import BlockManager
+from batcher.config import EngineConfig
+from batcher.detokenizer import IncrementalDetokenizer
+from batcher.errors import InvalidRequestError, RequestTooLongError
+from batcher.model_loader import load_model, resolve_device, resolve_dtype
+from batcher.model_runner import ModelRunner
+from batcher.outputs import Completion, EngineStats, StreamDelta, TokenLogprob, completion_from_deltas
+from batcher.paged_attention import KVCache
+from batcher.sampler import Sampler
+from batcher.sampling_params import SamplingParams
+from batcher.scheduler import Scheduler
+from batcher.sequence import Sequence
+
+Prompt = Union[str, List[int]]
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request beyond what the scheduler sees."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    logprobs: Optional[List[TokenLogprob]]
+    num_sent: int = 0  # output tokens already handed out in deltas
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_name = config.model
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        model, self.tokenizer = load_model(config.model, self.dtype, self.device, config.seed)
+        # The engine thread detokenizes while callers encode: give it its own tokenizer object.
+        self._detok_tokenizer = copy.deepcopy(self.tokenizer)
+        mcfg = model.config
+        self.vocab_size = mcfg.vocab_size
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // KVCache.bytes_per_block(
+            mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads, head_dim, self.dtype))
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.watermark,
+            config.static_batch_size if config.scheduling == "static" else None,
+        )
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = _eos_ids(model, self.tokenizer)
+        self.requests: Dict[str, Request] = {}
+        self.counters = EngineStats(kv_blocks_total=num_blocks)
+        self.last_step_time = time.monotonic()
+
+    # -- requests -----------------------------------------------------------------------------
+    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                     request_id: Optional[str] = None) -> Request:
+        """Validates and tokenizes; touches no engine state, so any thread may call it."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty")
+            ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = list(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt must not be empty")
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        needed = len(ids) + params.max_tokens
+        if needed > self.max_model_len:
+            raise RequestTooLongError("max_model_len", needed, self.max_model_len,
+                                      f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
+        bm = self.block_manager
+        capacity = (bm.num_blocks - self.scheduler.watermark_blocks) * bm.block_size
+        if bm.blocks_needed(needed) * bm.block_size > capacity:
+            raise RequestTooLongError("the KV cache capacity", needed, capacity,
+                                      f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
+        seq = Sequence(request_id or uuid.uuid4().hex, ids, params)
+        return Request(seq, IncrementalDetokenizer(self._detok_tokenizer, params.stop),
+                       [] if params.logprobs is not None else None)
+
+    def add(self, request: Request) -> None:
+        rid = request.seq.request_id
+        if rid in self.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight")
+        self.requests[rid] = request
+        self.scheduler.add(request.seq)
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> str:
+        request = self.make_request(prompt, params, request_id)
+        self.add(request)
+        return request.seq.request_id
+
+    def abort(self, request_id: str) -> Optional[StreamDelta]:
+        """Frees the request's blocks at once; returns its final delta, or None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, "abort")
+        self.counters.aborted_requests += 1
+        return self._delta(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> List[StreamDelta]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        t1 = time.perf_counter()
+        logits = self.runner.execute(out.scheduled)
+        t2 = time.perf_counter()
+        sampling = [s.seq for s in out.scheduled if s.samples]
+        tokens, logprobs = self.sampler.sample(
+            logits, [s.request_id for s in sampling], [s.params for s in sampling])
+        self.scheduler.update_after_step(out)
+        c = self.counters
+        c.prompt_tokens_computed += sum(s.num_new_tokens for s in out.scheduled if s.seq.num_output_tokens == 0)
+        c.kv_slot_use_sum += self.scheduler.kv_slot_use()
+        deltas = []
+        for seq, token, lp in zip(sampling, tokens, logprobs):
+            request = self.requests[seq.request_id]
+            seq.append_token(token)
+            if lp is not None:
+                request.logprobs.append(lp)
+            reason = self._stop_reason(request, token)
+            if reason:
+                self._finish(request, reason)
+            deltas.append(self._delta(request))
+        c.generated_tokens += len(tokens)
+        c.steps += 1
+        c.forward_seconds += t2 - t1
+        c.step_seconds += time.perf_counter() - t0
+        self.last_step_time = time.monotonic()
+        return deltas
+
+    def _stop_reason(self, request: Request, token: int) -> Optional[str]:
+        seq, p = request.seq, request.seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if request.detokenizer.add(seq.output_token_ids) is not None:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request.seq, reason)
+        self.sampler.forget(request.seq.request_id)
+        del self.requests[request.seq.request_id]
+        self.counters.finished_requests += reason != "abort"
+
+    def _delta(self, request: Request) -> StreamDelta:
+        seq = request.seq
+        new = seq.output_token_ids[request.num_sent:]
+        logprobs = request.logprobs[request.num_sent:] if request.logprobs is not None else None
+        request.num_sent = seq.num_output_tokens
+        return StreamDelta(
+            request_id=seq.request_id, token_ids=new, text=request.detokenizer.take(seq.is_finished),
+            finish_reason=seq.finish_reason, logprobs=logprobs,
+            num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=seq.num_output_tokens,
+        )
+
+    # -- offline ------------------------------------------------------------------------------
+    def generate(self, prompts: Union[Prompt, Seq[Prompt]],
+                 params: Union[None, SamplingParams, Seq[SamplingParams]] = None) -> List[Completion]:
+        """Runs prompts to completion, in order; a single prompt (str or token ids) is a list of one."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        requests = [self.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for r in requests:
+            self.add(r)
+        deltas: Dict[str, List[StreamDelta]] = {r.seq.request_id: [] for r in requests}
+        while self.has_unfinished():
+            for d in self.step():
+                deltas[d.request_id].append(d)
+        return [completion_from_deltas(r.seq.prompt_token_ids, deltas[r.seq.request_id]) for r in requests]
+
+    def stats(self) -> EngineStats:
+        s = copy.copy(self.counters)
+        s.waiting, s.running = len(self.scheduler.waiting), len(self.scheduler.running)
+        s.preemptions = self.scheduler.num_preemptions
+        s.kv_blocks_free = self.block_manager.num_free_blocks
+        s.kv_usage = 1.0 - s.kv_blocks_free / s.kv_blocks_total
+        s.prefix_cache_queries = self.block_manager.prefix_queries
+        s.prefix_cache_hits = self.block_manager.prefix_hits
+        s.seconds_since_last_step = time.monotonic() - self.last_step_time
+        return s
+
+
+def _eos_ids(model, tokenizer) -> set:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return ids

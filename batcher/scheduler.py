@@ -1,0 +1,143 @@
+"""Iteration-level scheduler: decides every step which sequences run and how many tokens each computes.
+
+Continuous mode (vLLM v1 style): one token budget per step, spent on running sequences first
+(decode-first keeps inter-token latency steady), then on admitting waiting ones; a prompt larger
+than what is left of the budget is split across steps (chunked prefill). When the KV cache runs out,
+the most recently admitted sequence is preempted by recompute and nothing new is admitted that step.
+Static mode: a batch of `static_batch_size` is admitted only when the previous one has fully ended.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, List, Optional, Set
+
+from batcher.block_manager import BlockManager
+from batcher.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool = field(init=False)  # this step reaches the last token, so its logits give a new one
+
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: List[ScheduledSeq] = field(default_factory=list)
+    preempted: List[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        watermark: float = 0.0,
+        static_batch_size: Optional[int] = None,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.static_batch_size = static_batch_size  # None: continuous
+        self.waiting: Deque[Sequence] = deque()
+        self.running: List[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+        self._static_batch: Set[Sequence] = set()  # static mode: the current batch's unfinished sequences
+        self._batch_open = False  # static mode: the current batch still takes new members
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.grow(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        static = self.static_batch_size is not None
+        if static and not self._static_batch:
+            self._batch_open = True
+        limit = self.static_batch_size if static else self.max_num_seqs
+        bm = self.block_manager
+        while self.waiting and len(self.running) < limit:
+            if budget <= 0:
+                return  # a static batch stays open: the budget, not the queue, stopped it
+            seq = self.waiting[0]
+            if static and not self._batch_open and seq not in self._static_batch:
+                break  # only the running batch's preempted members may come back
+            cached = bm.match_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+            if not bm.can_admit(seq, cached, n, self.watermark_blocks):
+                break
+            self.waiting.popleft()
+            bm.admit(seq, cached)
+            bm.grow(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            if static:
+                self._static_batch.add(seq)
+        self._batch_open = False
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, go back to the head of the queue."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Marks the scheduled tokens computed (call before appending sampled tokens)."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Takes `seq` out of the batch (finished, stopped or aborted) and frees its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self._static_batch.discard(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def kv_slot_use(self) -> float:
+        """Share of allocated KV slots that hold a computed token."""
+        used = self.block_manager.used_slots()
+        return min(1.0, sum(s.num_computed_tokens for s in self.running) / used) if used else 1.0

@@ -1,0 +1,223 @@
+"""The HTTP ingress: OpenAI-compatible FastAPI app in front of the LLM replicas.
+
+It forwards every request through a DeploymentHandle, so the configured request router picks the
+replica for HTTP traffic as for Python callers. It also serves typed `generate` / `stream` calls
+to other Ray jobs (`serve.get_app_handle(app_name)`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
+
+from deployments.errors import APIError, engine_error, model_not_found, overload_error, validation_error
+from deployments.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                                         ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatMessageOut,
+                                         Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                         ModelCard, ModelList, Usage, new_id)
+from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+
+api = FastAPI(title="iterserve", description="OpenAI-compatible LLM serving on Ray Serve")
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers())
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError):
+    return _error_response(e)
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_body(_: Request, e: RequestValidationError):
+    return _error_response(validation_error(e.errors()))
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(_: Request, e: HTTPException):
+    return _error_response(APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+
+
+def _sse(obj) -> str:
+    return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, llm: DeploymentHandle, model_name: str, overload_status_code: int = 429,
+                 retry_after_s: int = 1):
+        self.llm = llm
+        self.llm_stream = llm.options(stream=True)
+        self.model_name = model_name
+        self.overload = (overload_status_code, retry_after_s)
+        self._max_model_len = None
+
+    # ---- typed Python API (other Ray jobs) -------------------------------------------------------
+
+    async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
+        response = self.llm.generate.remote(request)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except Exception as e:
+            raise self._api_error(e) from None
+
+    async def stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
+        gen = self.llm_stream.stream.remote(request)
+        finished = False
+        try:
+            async for chunk in gen:
+                yield chunk
+            finished = True
+        except Exception as e:
+            raise self._api_error(e) from None
+        finally:
+            if not finished:
+                gen.cancel()  # the caller went away: abort the engine request
+
+    # ---- HTTP ------------------------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self):
+        try:
+            await asyncio.wait_for(self._model_len(), timeout=10)
+        except Exception as e:
+            raise APIError(503, f"no healthy LLM replica: {e}", type="service_unavailable_error") from None
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=await self._model_len())])
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        rid, created = new_id("chatcmpl"), int(time.time())
+        request = self._to_generate(body, rid)
+        if body.stream:
+            return await self._stream_response(request, self._chat_events(body, rid, created))
+        out = await self.generate(request)
+        return ChatCompletion(
+            id=rid, created=created, model=self.model_name,
+            choices=[ChatChoice(message=ChatMessageOut(content=out.text), finish_reason=out.finish_reason,
+                                logprobs=ChatLogprobs.of(out.logprobs) if out.logprobs is not None else None)],
+            usage=Usage.of(out.prompt_tokens, out.completion_tokens),
+        )
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        rid, created = new_id("cmpl"), int(time.time())
+        request = self._to_generate(body, rid)
+        if body.stream:
+            return await self._stream_response(request, self._completion_events(body, rid, created))
+        out = await self.generate(request)
+        return Completion(
+            id=rid, created=created, model=self.model_name,
+            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
+                                      logprobs=CompletionLogprobs.of(out.logprobs) if out.logprobs is not None
+                                      else None)],
+            usage=Usage.of(out.prompt_tokens, out.completion_tokens),
+        )
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _to_generate(self, body, rid: str) -> GenerateRequest:
+        if body.model is not None and body.model != self.model_name:
+            raise model_not_found(body.model, self.model_name)
+        try:
+            return body.to_generate(rid)
+        except ValueError as e:  # pydantic.ValidationError is a ValueError
+            raise engine_error(e) from None
+
+    async def _stream_response(self, request: GenerateRequest, events) -> StreamingResponse:
+        """Waits for the first chunk before answering, so errors keep their status code."""
+        gen = self.llm_stream.stream.remote(request)
+        try:
+            first = await gen.__anext__()
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except Exception as e:
+            gen.cancel()
+            raise self._api_error(e) from None
+        return StreamingResponse(self._relay(gen, first, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _relay(self, gen, first: GenerateChunk, events) -> AsyncIterator[str]:
+        """Chunks -> SSE text. A client disconnect cancels this generator, which cancels `gen`
+        (the replica then aborts the request and frees its KV blocks)."""
+        finished = False
+        try:
+            yield events(first, True)
+            async for chunk in gen:
+                yield events(chunk, False)
+            finished = True
+            yield "data: [DONE]\n\n"
+        except Exception as e:  # mid-stream failure: the status is already sent; report in-band
+            err = self._api_error(e)
+            yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n"
+        finally:
+            if not finished:
+                gen.cancel()
+
+    def _chat_events(self, body: ChatCompletionRequest, rid: str, created: int):
+        def events(chunk: GenerateChunk, is_first: bool) -> str:
+            def make(choices, usage=None):
+                return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices,
+                                           usage=usage)
+            out = _sse(make([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])) if is_first else ""
+            if chunk.text or chunk.finish_reason or chunk.token_ids:
+                lps = ChatLogprobs.of(chunk.logprobs) if chunk.logprobs else None
+                out += _sse(make([ChatChunkChoice(delta=ChatDelta(content=chunk.text), logprobs=lps,
+                                                  finish_reason=chunk.finish_reason)]))
+            if chunk.finish_reason and body.include_usage:
+                out += _sse(make([], Usage.of(chunk.prompt_tokens, chunk.completion_tokens)))
+            return out
+        return events
+
+    def _completion_events(self, body: CompletionRequest, rid: str, created: int):
+        offset = 0
+
+        def events(chunk: GenerateChunk, is_first: bool) -> str:
+            nonlocal offset
+            lps = CompletionLogprobs.of(chunk.logprobs, offset) if chunk.logprobs else None
+            offset += len(chunk.text)
+            out = _sse(Completion(id=rid, created=created, model=self.model_name,
+                                  choices=[CompletionChoice(text=chunk.text, logprobs=lps,
+                                                            finish_reason=chunk.finish_reason)]))
+            if chunk.finish_reason and body.include_usage:
+                out += _sse(Completion(id=rid, created=created, model=self.model_name, choices=[],
+                                       usage=Usage.of(chunk.prompt_tokens, chunk.completion_tokens)))
+            return out
+        return events
+
+    async def _model_len(self) -> int:
+        if self._max_model_len is None:
+            info = await self.llm.model_info.remote()
+            self._max_model_len = info.max_model_len
+        return self._max_model_len
+
+    def _api_error(self, e: Exception) -> APIError:
+        """Whatever a handle call raised -> the error the client sees."""
+        if isinstance(e, BackPressureError):  # behind FastAPI this would otherwise be a 500
+            return overload_error(*self.overload)
+        cause = e.cause if isinstance(e, RayTaskError) and getattr(e, "cause", None) is not None else e
+        if isinstance(cause, APIError):
+            return APIError(*cause.args)
+        if isinstance(cause, (RayActorError, DeploymentUnavailableError, RequestCancelledError)):
+            return APIError(503, f"LLM replica unavailable: {type(cause).__name__}", retry_after_s=self.overload[1],
+                            type="service_unavailable_error", code="replica_unavailable")
+        return engine_error(cause)

@@ -1,0 +1,148 @@
+"""The LLM replica: owns one AsyncLLMEngine and serves typed requests through Serve handles.
+
+It streams coalesced token chunks, reports load to the request router and the autoscaler, and
+fails its health check when the engine loop is dead or stuck, so Serve replaces the replica.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import AsyncIterator, Dict, List, Optional, Union
+
+import pydantic
+from ray import serve
+
+from deployments.coalesce import coalesce
+from deployments.errors import APIError, engine_error
+from deployments.protocol import (GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, TokenLogprob,
+                                  TopLogprob)
+
+
+@serve.deployment(name="LLMServer")
+class LLMServer:
+    def __init__(self, engine_config: dict, served_model_name: str, stream_interval_ms: float = 20.0):
+        from batcher import AsyncLLMEngine, EngineConfig  # torch loads here, not in the ingress
+
+        # The engine sets torch's thread count from the config (Ray gives 0-CPU actors 1 thread).
+        self.engine = AsyncLLMEngine(EngineConfig.model_validate(engine_config))
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = served_model_name
+        self.interval_s = stream_interval_ms / 1000.0
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._token_text: Dict[int, str] = {}
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    async def stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
+        """Use with `handle.options(stream=True).stream.remote(request)`. Errors come before the
+        first chunk; cancelling the call aborts the request and frees its KV blocks."""
+        request, prompt, params = self._prepare(request)
+        deltas = self.engine.stream(prompt, params, request_id=request.request_id)
+        try:
+            async for batch in coalesce(deltas, self.interval_s, is_last=lambda d: d.finish_reason is not None):
+                yield self._chunk(batch)
+        except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
+            raise engine_error(e, self._param(request)) from None
+
+    async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
+        """The whole answer at once. Cancelling the call aborts the request."""
+        request, prompt, params = self._prepare(request)
+        text, token_ids, logprobs, last = [], [], [], None
+        try:
+            async for delta in self.engine.stream(prompt, params, request_id=request.request_id):
+                text.append(delta.text)
+                token_ids.extend(delta.token_ids)
+                logprobs.extend(delta.logprobs or [])
+                last = delta
+        except (ValueError, RuntimeError) as e:
+            raise engine_error(e, self._param(request)) from None
+        return GenerateResponse(
+            request_id=request.request_id, text="".join(text), token_ids=token_ids,
+            finish_reason=last.finish_reason if last else None,
+            logprobs=self._logprobs(logprobs) if params.logprobs is not None else None,
+            prompt_tokens=last.num_prompt_tokens if last else 0,
+            completion_tokens=last.num_generated_tokens if last else 0,
+        )
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(model_name=self.model_name, max_model_len=self.engine.max_model_len)
+
+    def stats(self) -> dict:
+        """Engine counters of this replica (tests and operators: KV blocks, aborts, ...)."""
+        return {"replica_id": self.replica_id, **self.engine.stats().as_dict()}
+
+    # ---- Serve hooks ---------------------------------------------------------------------------
+
+    def record_routing_stats(self) -> Dict[str, float]:
+        """Polled by the controller; request routers read it as RunningReplica.routing_stats."""
+        s = self.engine.stats()
+        return {"waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
+                "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
+                "prefix_cache_hit_rate": s.prefix_cache_hit_rate}
+
+    def record_autoscaling_stats(self) -> Dict[str, float]:
+        """Custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id] in a policy)."""
+        s = self.engine.stats()
+        return {"waiting": float(s.waiting), "running": float(s.running), "kv_usage": float(s.kv_usage),
+                "kv_blocks_free": float(s.kv_blocks_free)}
+
+    def check_health(self) -> None:
+        self.engine.check_health()  # raises EngineDeadError: Serve then replaces this replica
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _prepare(self, request):
+        """Validates the request, applies the chat template, resolves max_tokens=None."""
+        try:
+            if not isinstance(request, GenerateRequest):
+                request = GenerateRequest.model_validate(request)
+            if request.request_id is None:
+                request = request.model_copy(update={"request_id": uuid.uuid4().hex})
+            if request.messages is not None:
+                messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+                prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            else:
+                prompt = request.prompt
+            max_tokens = request.max_tokens
+            if max_tokens is None:  # OpenAI chat default: whatever room the context window leaves
+                n = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
+                max_tokens = max(1, self.engine.max_model_len - n)
+            return request, prompt, request.sampling_params(max_tokens)
+        except pydantic.ValidationError as e:
+            raise engine_error(e) from None
+        except APIError:
+            raise
+        except Exception as e:  # e.g. a chat template that refuses the message roles
+            raise APIError(400, f"invalid request: {e}") from None
+
+    @staticmethod
+    def _param(request: GenerateRequest) -> str:
+        return "messages" if request.messages is not None else "prompt"
+
+    def _chunk(self, deltas: list) -> GenerateChunk:
+        last = deltas[-1]
+        lps = [lp for d in deltas for lp in (d.logprobs or [])]
+        return GenerateChunk(
+            request_id=last.request_id, text="".join(d.text for d in deltas),
+            token_ids=[t for d in deltas for t in d.token_ids], finish_reason=last.finish_reason,
+            logprobs=self._logprobs(lps) if lps else None,
+            prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_generated_tokens,
+        )
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _logprobs(self, lps: List) -> Optional[List[TokenLogprob]]:
+        return [
+            TokenLogprob(token_id=lp.token_id, token=self._text_of(lp.token_id), logprob=lp.logprob,
+                         top_logprobs=[TopLogprob(token_id=t, token=self._text_of(t), logprob=v)
+                                       for t, v in lp.top_logprobs.items()])
+            for lp in lps
+        ]

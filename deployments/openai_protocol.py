@@ -1,0 +1,228 @@
+"""The OpenAI HTTP API's request and response bodies (the subset iterserve serves).
+
+Unknown request fields are refused with a 400, as OpenAI itself does; fields clients commonly send
+with neutral values (n=1, zero penalties, user) are accepted.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from deployments.protocol import ChatMessage, GenerateRequest, TokenLogprob
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None  # extension
+    seed: Optional[int] = None
+    stop: Union[str, List[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False  # extension
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[Dict[str, float]] = None
+    user: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.n != 1:
+            raise ValueError("n: only n=1 is supported")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty/frequency_penalty: only 0 is supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        return self
+
+    def _sampling_fields(self) -> dict:
+        fields = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "seed", "stop")}
+        return {k: v for k, v in fields.items() if v is not None} | {"ignore_eos": self.ignore_eos}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Request):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        top = (self.top_logprobs or 0) if self.logprobs else None
+        return GenerateRequest(
+            messages=self.messages, max_tokens=self.max_completion_tokens or self.max_tokens,
+            logprobs=top, request_id=request_id, **self._sampling_fields(),
+        )
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            v = v[0]
+        if not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported_completion(self):
+        if self.echo or self.suffix or (self.best_of or 1) != 1:
+            raise ValueError("echo, suffix and best_of are not supported")
+        return self
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        return GenerateRequest(prompt=self.prompt, max_tokens=self.max_tokens, logprobs=self.logprobs,
+                               request_id=request_id, **self._sampling_fields())
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> "Usage":
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: List[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: List[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: List[ChatTokenLogprob]
+
+    @classmethod
+    def of(cls, lps: List[TokenLogprob]) -> "ChatLogprobs":
+        def top(t) -> ChatTopLogprob:
+            return ChatTopLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()))
+        return cls(content=[ChatTokenLogprob(**top(lp).model_dump(), top_logprobs=[top(t) for t in lp.top_logprobs])
+                            for lp in lps])
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: List[str]
+    token_logprobs: List[float]
+    top_logprobs: List[Dict[str, float]]
+    text_offset: List[int]
+
+    @classmethod
+    def of(cls, lps: List[TokenLogprob], start_offset: int = 0) -> "CompletionLogprobs":
+        offsets, pos = [], start_offset
+        for lp in lps:
+            offsets.append(pos)
+            pos += len(lp.token)
+        return cls(tokens=[lp.token for lp in lps], token_logprobs=[lp.logprob for lp in lps],
+                   top_logprobs=[{t.token: t.logprob for t in lp.top_logprobs} for lp in lps],
+                   text_offset=offsets)
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: List[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[CompletionChoice]
+    usage: Optional[Usage] = None  # None only on stream chunks
+
+
+class ModelCard(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "iterserve"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: List[ModelCard]

@@ -1,0 +1,98 @@
+"""Typed request and responses of the LLM deployment: what other Ray jobs pass through a handle.
+
+    handle = serve.get_app_handle("iterserve")
+    resp: GenerateResponse = handle.generate.remote(GenerateRequest(prompt="Hi", max_tokens=8)).result()
+    for chunk in handle.options(stream=True).stream.remote(GenerateRequest(...)): ...  # GenerateChunk
+"""
+from __future__ import annotations
+
+from typing import List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from batcher.sampling_params import SamplingParams
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send name, tool_calls...
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[ContentPart], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class GenerateRequest(SamplingParams):
+    """A prompt (text or token ids) or chat messages, plus SamplingParams' fields.
+
+    `max_tokens=None` means: up to the end of the model's context window.
+    """
+
+    prompt: Union[str, List[int], None] = None
+    messages: Optional[List[ChatMessage]] = None
+    max_tokens: Optional[int] = Field(None, ge=1, description="None: fill the rest of the context.")
+    request_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "GenerateRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("pass exactly one of `prompt` and `messages`")
+        if self.messages is not None and not self.messages:
+            raise ValueError("`messages` must not be empty")
+        return self
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        fields = set(SamplingParams.model_fields) - {"max_tokens"}
+        return SamplingParams(max_tokens=max_tokens, **self.model_dump(include=fields))
+
+
+class TopLogprob(BaseModel):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: List[TopLogprob] = Field(default_factory=list)
+
+
+class GenerateChunk(BaseModel):
+    """New tokens since the previous chunk; finish_reason is set on the last chunk."""
+
+    request_id: str
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    logprobs: Optional[List[TokenLogprob]] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class GenerateResponse(BaseModel):
+    """A whole, non-streamed answer."""
+
+    request_id: str
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    logprobs: Optional[List[TokenLogprob]] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    model_name: str
+    max_model_len: int
