@@ -1,0 +1,155 @@
+"""AsyncLLMEngine: runs LLMEngine's step loop in its own thread and streams deltas to asyncio callers.
+
+Callers never touch the scheduler: adds and aborts travel through an inbox the loop drains between
+steps, and each step's deltas go back to the callers' event loops in one hop.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import defaultdict
+from typing import AsyncIterator, Dict, List, Optional, Tuple
+
+from batcher.config import EngineConfig
+from batcher.errors import EngineDeadError, EngineError, InvalidRequestError
+from batcher.llm_engine import LLMEngine, Prompt
+from batcher.outputs import Completion, EngineStats, StreamDelta, completion_from_deltas, merge_deltas
+from batcher.sampling_params import SamplingParams
+
+_IDLE_WAIT_S = 0.5
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, stall_timeout_s: float = 120.0):
+        self.engine = LLMEngine(config)
+        self.config = config
+        self.model_name = config.model
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.stall_timeout_s = stall_timeout_s
+        self._inbox: "queue.SimpleQueue[Tuple[str, object]]" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._error: Optional[BaseException] = None
+        self._stopped = False
+        self._heartbeat = time.monotonic()  # last time the loop went round
+        self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- the loop thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                deltas = self._drain_inbox()
+                if self.engine.has_unfinished():
+                    deltas += self.engine.step()
+                elif not deltas:
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+                self._dispatch(deltas)
+                self._heartbeat = time.monotonic()
+        except BaseException as e:  # the replica must learn of it: check_health fails from now on
+            self._error = e
+            for loop, q in list(self._streams.values()):
+                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _drain_inbox(self) -> List[StreamDelta]:
+        deltas = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return deltas
+            if kind == "add":
+                try:
+                    self.engine.add(item)
+                except EngineError as e:  # e.g. a duplicate id: that caller's error, not the loop's
+                    self._dispatch_error(item.seq.request_id, e)
+            else:
+                final = self.engine.abort(item)
+                if final is not None:
+                    deltas.append(final)
+
+    def _dispatch(self, deltas: List[StreamDelta]) -> None:
+        by_loop: Dict[asyncio.AbstractEventLoop, List[Tuple[asyncio.Queue, StreamDelta]]] = defaultdict(list)
+        for d in deltas:
+            target = self._streams.get(d.request_id)
+            if target is not None:  # a caller that went away leaves nothing to deliver to
+                by_loop[target[0]].append((target[1], d))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+    def _dispatch_error(self, request_id: str, error: BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            target[0].call_soon_threadsafe(target[1].put_nowait, error)
+
+    # -- caller side --------------------------------------------------------------------------
+    async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                     request_id: Optional[str] = None) -> AsyncIterator[StreamDelta]:
+        """Yields the request's deltas; tokens that piled up while the caller was busy come as one.
+        Leaving the loop early (or being cancelled) aborts the request and frees its KV blocks."""
+        self.check_health()
+        request = self.engine.make_request(prompt, params, request_id)
+        rid = request.seq.request_id
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._send("add", request)
+        finished = False
+        try:
+            while not finished:
+                delta = _raise_if_error(await q.get())
+                while not q.empty():
+                    delta = merge_deltas(delta, _raise_if_error(q.get_nowait()))
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._send("abort", rid)
+
+    async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None) -> Completion:
+        deltas = [d async for d in self.stream(prompt, params, request_id)]
+        prompt_ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
+        return completion_from_deltas(prompt_ids, deltas)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def _send(self, kind: str, item: object) -> None:
+        self._inbox.put((kind, item))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        s = self.engine.stats()
+        s.loop_alive = self._thread.is_alive() and self._error is None
+        return s
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the loop died, or stopped stepping with work pending."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"engine loop is not running: {self._error!r}")
+        idle = time.monotonic() - self._heartbeat
+        if idle > self.stall_timeout_s and self.engine.has_unfinished():
+            raise EngineDeadError(f"engine loop made no step for {idle:.0f}s with requests pending")
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+
+def _deliver(items: List[Tuple[asyncio.Queue, StreamDelta]]) -> None:
+    for q, d in items:
+        q.put_nowait(d)
+
+
+def _raise_if_error(item):
+    if isinstance(item, BaseException):
+        raise item
+    return item
