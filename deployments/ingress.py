@@ -4,7 +4,6 @@ It forwards every request through a DeploymentHandle, so the configured request 
 replica for HTTP traffic as for Python callers. It also serves typed `generate` / `stream` calls
 to other Ray jobs (`serve.get_app_handle(app_name)`).
 """
-from __future__ import annotations
 
 import asyncio
 import json
@@ -49,6 +48,14 @@ async def _http_error(_: Request, e: HTTPException):
     return _error_response(APIError(e.status_code, str(e.detail), code=str(e.status_code)))
 
 
+def _cancel(response) -> None:
+    """Best-effort cancel of a handle call (Serve's cancel() re-raises the call's own error)."""
+    try:
+        response.cancel()
+    except Exception:
+        pass
+
+
 def _sse(obj) -> str:
     return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
 
@@ -71,7 +78,7 @@ class OpenAIIngress:
         try:
             return await response
         except asyncio.CancelledError:
-            response.cancel()
+            _cancel(response)
             raise
         except Exception as e:
             raise self._api_error(e) from None
@@ -87,7 +94,7 @@ class OpenAIIngress:
             raise self._api_error(e) from None
         finally:
             if not finished:
-                gen.cancel()  # the caller went away: abort the engine request
+                _cancel(gen)  # the caller went away (or it failed): abort the engine request
 
     # ---- HTTP ------------------------------------------------------------------------------------
 
@@ -148,10 +155,9 @@ class OpenAIIngress:
         try:
             first = await gen.__anext__()
         except asyncio.CancelledError:
-            gen.cancel()
+            _cancel(gen)
             raise
         except Exception as e:
-            gen.cancel()
             raise self._api_error(e) from None
         return StreamingResponse(self._relay(gen, first, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -171,7 +177,7 @@ class OpenAIIngress:
             yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n"
         finally:
             if not finished:
-                gen.cancel()
+                _cancel(gen)
 
     def _chat_events(self, body: ChatCompletionRequest, rid: str, created: int):
         def events(chunk: GenerateChunk, is_first: bool) -> str:

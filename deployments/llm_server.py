@@ -28,6 +28,11 @@ class LLMServer:
         self.model_name = served_model_name
         self.interval_s = stream_interval_ms / 1000.0
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # The longest request the engine admits: the context window, or the whole KV cache less
+        # the admission watermark if that is smaller.
+        cfg, total = self.engine.config, self.engine.stats().kv_blocks_total
+        kv_tokens = (total - int(cfg.watermark * total)) * cfg.block_size
+        self.max_request_tokens = min(self.engine.max_model_len, kv_tokens)
         self._token_text: Dict[int, str] = {}
 
     # ---- requests ------------------------------------------------------------------------------
@@ -64,7 +69,7 @@ class LLMServer:
         )
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(model_name=self.model_name, max_model_len=self.engine.max_model_len)
+        return ModelInfo(model_name=self.model_name, max_model_len=self.max_request_tokens)
 
     def stats(self) -> dict:
         """Engine counters of this replica (tests and operators: KV blocks, aborts, ...)."""
@@ -110,7 +115,7 @@ class LLMServer:
             max_tokens = request.max_tokens
             if max_tokens is None:  # OpenAI chat default: whatever room the context window leaves
                 n = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
-                max_tokens = max(1, self.engine.max_model_len - n)
+                max_tokens = max(1, self.max_request_tokens - n)
             return request, prompt, request.sampling_params(max_tokens)
         except pydantic.ValidationError as e:
             raise engine_error(e) from None

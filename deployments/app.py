@@ -1,0 +1,76 @@
+"""`deployments.app:build_app`: AppConfig -> the Serve application (ingress -> LLM replicas).
+
+serve_config.yaml points its `import_path` here and passes AppConfig's fields as `args`.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import pydantic
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
+from ray.serve.config import RequestRouterConfig
+
+from deployments.config import AppConfig
+from deployments.ingress import OpenAIIngress
+from deployments.llm_server import LLMServer
+
+
+class ConfigError(ValueError):
+    """A bad AppConfig, reported with the path of the offending field."""
+
+
+def _check(fn, what: str):
+    try:
+        return fn()
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in (what, *err["loc"]) if p != "")
+        raise ConfigError(f"invalid iterserve config at `{field}`: {err['msg']}") from None
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"invalid iterserve config at `{what}`: {e}") from None
+
+
+def load_config(args: Union[AppConfig, dict, None]) -> AppConfig:
+    if isinstance(args, AppConfig):
+        return args
+    return _check(lambda: AppConfig.model_validate(args or {}), "args")
+
+
+def llm_deployment_options(cfg: AppConfig) -> dict:
+    r = cfg.replica
+    actor_options: dict = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus}
+    if r.memory_gib:
+        actor_options["memory"] = int(r.memory_gib * 2**30)
+    if r.env_vars:
+        actor_options["runtime_env"] = {"env_vars": dict(r.env_vars)}
+    options = {
+        "ray_actor_options": actor_options,
+        "max_ongoing_requests": r.max_ongoing_requests,
+        "max_queued_requests": r.max_queued_requests,
+        "health_check_period_s": r.health_check_period_s,
+        "health_check_timeout_s": r.health_check_timeout_s,
+        # Serve validates the router class (it imports it) and autoscaling bounds here, at deploy.
+        "request_router_config": _check(lambda: RequestRouterConfig(**cfg.router.to_serve()), "args.router.request_router_class"),
+    }
+    if cfg.autoscaling is not None:
+        auto = cfg.autoscaling.to_serve()
+        _check(lambda: ServeAutoscalingConfig(**auto), "args.autoscaling")
+        options["autoscaling_config"] = auto  # num_replicas must stay unset then
+    else:
+        options["num_replicas"] = r.num_replicas
+    return options
+
+
+def build_app(args: dict) -> Application:
+    """Serve application builder. `args` is AppConfig as a dict (or an AppConfig)."""
+    cfg = load_config(args)
+    llm = LLMServer.options(**llm_deployment_options(cfg)).bind(
+        cfg.engine.model_dump(), cfg.model_name, cfg.stream.interval_ms
+    )
+    ing = cfg.ingress
+    ingress = OpenAIIngress.options(
+        num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
+        ray_actor_options={"num_cpus": ing.num_cpus},
+    )
+    return ingress.bind(llm, cfg.model_name, ing.overload_status_code, ing.retry_after_s)

@@ -1,0 +1,58 @@
+"""AppConfig and the shipped serve_config files: bad configs fail at deploy time, naming the field."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.app import ConfigError, build_app, llm_deployment_options, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("args,field", [
+    ({"engine": {"modle": "x"}}, "args.engine.modle"),
+    ({"engine": {"max_num_seqs": 0}}, "args.engine.max_num_seqs"),
+    ({"replica": {"num_cpus": -1}}, "args.replica.num_cpus"),
+    ({"replicas": {}}, "args.replicas"),
+    ({"ingress": {"overload_status_code": 500}}, "args.ingress.overload_status_code"),
+    ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "args.autoscaling"),
+    ({"router": {"request_router_class": "no_such_module:Router"}}, "args.router.request_router_class"),
+])
+def test_bad_config_names_the_field(args, field):
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        build_app(args)
+
+
+def test_options_follow_the_config():
+    pow2 = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"
+    cfg = load_config({"replica": {"num_replicas": 3, "num_cpus": 0.5, "max_ongoing_requests": 7},
+                       "router": {"request_router_class": pow2,
+                                  "request_routing_stats_period_s": 0.5}})
+    opts = llm_deployment_options(cfg)
+    assert opts["num_replicas"] == 3 and opts["max_ongoing_requests"] == 7
+    assert opts["ray_actor_options"]["num_cpus"] == 0.5
+    assert opts["request_router_config"].request_routing_stats_period_s == 0.5
+
+    policy = "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"
+    auto = llm_deployment_options(load_config({"autoscaling": {"min_replicas": 1, "max_replicas": 4,
+                                                               "policy": policy, "policy_kwargs": {"a": 1}}}))
+    assert "num_replicas" not in auto
+    assert auto["autoscaling_config"]["policy"] == {"policy_function": policy, "policy_kwargs": {"a": 1}}
+    with pytest.raises(ConfigError, match="`args.autoscaling`"):
+        build_app({"autoscaling": {"policy": "no_such_module:policy"}})
+
+
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
+def test_shipped_serve_configs_are_valid(name):
+    raw = yaml.safe_load((ROOT / name).read_text())
+    schema = ServeDeploySchema.model_validate(raw)
+    (app,) = schema.applications
+    assert app.import_path == "deployments.app:build_app"
+    cfg = load_config(app.args)
+    if name == "serve_config.gpu.yaml":
+        assert cfg.replica.num_gpus == 1 and cfg.engine.device == "cuda"
+    else:
+        assert cfg.replica.num_gpus == 0 and cfg.engine.model == "smollm2-135m-instruct"
