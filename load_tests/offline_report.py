@@ -60,7 +60,7 @@ def format_cap(cap_result: dict) -> str:
         f" prompt tokens; {w['output_tokens']} output tokens (mean {w['output_len_mean']:.1f}, "
         f"max {w['output_len_max']}), EOS ignored",
         f"{'system':<36}{'reqs':>5}{'out tok':>8}{'wall s':>8}{'tok/s':>8}{'x naive':>9}{'x stat16':>9}"
-        f"{'x tfCB':>8}{'fwd':>7}{'KV use':>8}  check",
+        f"{'x tfCB':>8}{'fwd':>7}{'KV use':>8}{'load':>6}  check",
     ]
     for name, e in cap_result["systems"].items():
         label = LABELS.get(name, name) + (" *" if e.get("subset") else "")
@@ -73,7 +73,7 @@ def format_cap(cap_result: dict) -> str:
             f"{label:<36}{e['num_requests']:>5}{e['output_tokens']:>8}{e['wall_seconds']:>8.1f}"
             f"{e['tokens_per_second']:>8.1f}{_ratio(r.get('vs_naive')):>9}{_ratio(r.get('vs_static16')):>9}"
             f"{_ratio(r.get('vs_transformers_cb')):>8}{_pct(m.get('forward_share')):>7}"
-            f"{_pct(m.get('kv_slot_use')):>8}  {check}"
+            f"{_pct(m.get('kv_slot_use')):>8}{max(e.get('load_avg_1m_after_rounds') or [0]):>6.1f}  {check}"
         )
     naive = cap_result["systems"].get("hf_naive")
     if naive and naive.get("subset"):
@@ -81,6 +81,7 @@ def format_cap(cap_result: dict) -> str:
             f"* timed on {naive['num_requests']} of {w['num_requests']} requests (evenly spaced quantiles of "
             f"output length); full run estimated at {naive['estimated_full_wall_seconds']:.0f} s"
         )
+    lines.append("load = 1-min load average after the system's runs (2 cores: above ~2.5 means outside load)")
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ class Request:
 class Workload:
     name: str
     requests: List[Request]
+    cap: int = 0  # the output-length cap it was drawn with (0: none)
 
     @property
     def output_tokens(self) -> int:
@@ -38,6 +39,7 @@ class Workload:
         lengths = [r.max_tokens for r in self.requests]
         return {
             "name": self.name,
+            "cap": self.cap,
             "num_requests": len(self.requests),
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
@@ -81,7 +83,7 @@ def variance_workloads(
     prompts = random_prompts(num_prompts, prompt_len, token_range, seed)
     draws = exponential_draws(num_prompts, mean_output, seed)
     return [
-        Workload(f"cap{cap}", [Request(p, n) for p, n in zip(prompts, capped_lengths(draws, cap))])
+        Workload(f"cap{cap}", [Request(p, n) for p, n in zip(prompts, capped_lengths(draws, cap))], cap)
         for cap in caps
     ]
 
