@@ -51,8 +51,7 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // KVCache.bytes_per_block(
-            mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads, head_dim, self.dtype))
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(mcfg, head_dim)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.watermark,
@@ -64,6 +63,14 @@ class LLMEngine:
         self.requests: Dict[str, Request] = {}
         self.counters = EngineStats(kv_blocks_total=num_blocks)
         self.last_step_time = time.monotonic()
+
+    def _blocks_for_memory(self, mcfg, head_dim: int) -> int:
+        c = self.config
+        per_block = KVCache.bytes_per_block(mcfg.num_hidden_layers, c.block_size,
+                                            mcfg.num_key_value_heads, head_dim, self.dtype)
+        # No more than the batch could ever fill (small models would otherwise get millions).
+        most_useful = -(-c.max_num_seqs * self.max_model_len // c.block_size)
+        return max(1, min(int(c.kv_cache_memory_gib * 2**30) // per_block, most_useful))
 
     # -- requests -----------------------------------------------------------------------------
     def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,

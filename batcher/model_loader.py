@@ -82,6 +82,7 @@ def tiny_llama(seed: int = 0):
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+        initializer_range=0.3,  # wide enough that greedy outputs vary, so parity tests mean something
     )
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

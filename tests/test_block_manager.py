@@ -1,0 +1,101 @@
+"""BlockManager without a model: allocation, sharing, eviction, freeing."""
+from batcher.block_manager import BlockManager
+from batcher.sampling_params import SamplingParams
+from batcher.sequence import Sequence
+
+
+def seq(tokens, rid="r"):
+    return Sequence(rid, list(tokens), SamplingParams())
+
+
+def compute(bm, s, n):
+    """Grow `s` by n tokens and mark them computed, as a step would."""
+    assert bm.grow(s, n)
+    s.num_computed_tokens += n
+    bm.cache_full_blocks(s)
+
+
+def test_grow_allocates_ceil_blocks_and_free_returns_them():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    s = seq(range(10))
+    bm.admit(s, bm.match_prefix(s))
+    compute(bm, s, 10)
+    assert len(s.block_table) == 3 and bm.num_free_blocks == 7
+    bm.free(s)
+    assert bm.num_free_blocks == 10 and s.block_table == [] and s.num_computed_tokens == 0
+
+
+def test_grow_fails_without_allocating_when_short():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    s = seq(range(12))
+    bm.admit(s, [])
+    assert not bm.grow(s, 12)
+    assert s.block_table == [] and bm.num_free_blocks == 2
+
+
+def test_prefix_shared_by_hash_and_never_covers_last_token():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    a = seq(range(12), "a")
+    bm.admit(a, bm.match_prefix(a))
+    compute(bm, a, 12)
+    b = seq(list(range(12)), "b")  # same 12 tokens: the last block must be recomputed
+    cached = bm.match_prefix(b)
+    assert cached == a.block_table[:2]
+    bm.admit(b, cached)
+    assert b.num_computed_tokens == 8
+    assert all(bm.blocks[i].ref_count == 2 for i in cached)
+    c = seq(list(range(8)) + [99, 98, 97, 96, 95], "c")
+    assert bm.match_prefix(c) == a.block_table[:2]
+    d = seq([5] + list(range(1, 12)), "d")  # differs in the first block: nothing shared
+    assert bm.match_prefix(d) == []
+
+
+def test_freed_cached_blocks_are_reused_then_evicted():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(range(9), "a")
+    bm.admit(a, [])
+    compute(bm, a, 9)
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    b = seq(range(9), "b")
+    cached = bm.match_prefix(b)
+    assert len(cached) == 2  # still cached after free
+    assert bm.can_admit(b, cached, 1, reserve=0)
+    bm.admit(b, cached)
+    assert bm.num_free_blocks == 2
+    bm.free(b)
+    # Filling the whole cache with other tokens evicts the cached prefix.
+    c = seq(range(100, 116), "c")
+    bm.admit(c, bm.match_prefix(c))
+    compute(bm, c, 16)
+    assert bm.match_prefix(seq(range(9))) == []
+
+
+def test_uncached_tail_block_reused_before_cached_prefix():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(range(6), "a")
+    bm.admit(a, [])
+    compute(bm, a, 6)  # one full (cached) block, one partial
+    full, partial = a.block_table
+    bm.free(a)
+    x = seq([7], "x")
+    bm.admit(x, [])
+    assert bm.grow(x, 1)
+    assert x.block_table == [partial]
+    assert bm.match_prefix(seq(range(6))) == [full]
+
+
+def test_can_admit_respects_reserve():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    s = seq(range(32))
+    assert bm.can_admit(s, [], 32, reserve=2)
+    assert not bm.can_admit(s, [], 33, reserve=2)
+    assert not bm.can_admit(s, [], 32, reserve=3)
+
+
+def test_prefix_caching_off_shares_nothing():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    a = seq(range(12), "a")
+    bm.admit(a, [])
+    compute(bm, a, 12)
+    assert bm.match_prefix(seq(range(12), "b")) == []
