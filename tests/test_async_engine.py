@@ -1,0 +1,110 @@
+"""AsyncLLMEngine: streaming from the loop thread, abort on disconnect, errors, health."""
+import asyncio
+
+import pytest
+
+from batcher import (AsyncLLMEngine, EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine, RequestTooLongError,
+                     SamplingParams)
+from tests.reference import mixed_prompts
+
+CONFIG = EngineConfig(model="tiny-llama", max_model_len=512, num_kv_blocks=256, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = AsyncLLMEngine(CONFIG)
+    yield e
+    e.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_streams_equal_offline_greedy(engine):
+    prompts = mixed_prompts("tiny-llama", n_random=5)
+    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    expected = LLMEngine(CONFIG).generate(prompts, params)
+
+    async def collect(p, sp):
+        deltas = [d async for d in engine.stream(p, sp)]
+        assert all(d.finish_reason is None for d in deltas[:-1]) and deltas[-1].finish_reason == "length"
+        return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
+
+    async def main():
+        return await asyncio.gather(*[collect(p, sp) for p, sp in zip(prompts, params)])
+
+    got = run(main())
+    assert [g[0] for g in got] == [e.token_ids for e in expected]
+    assert [g[1] for g in got] == [e.text for e in expected]
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks(engine):
+    async def main():
+        stream = engine.stream([7, 8, 9], SamplingParams(max_tokens=400, ignore_eos=True), request_id="leaver")
+        async for _ in stream:
+            break
+        assert engine.stats().running == 1
+        await stream.aclose()
+        for _ in range(100):  # the loop frees it within one step
+            if engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.01)
+
+    run(main())
+    stats = engine.stats()
+    assert stats.running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.aborted_requests >= 1
+
+
+def test_cancelled_task_aborts(engine):
+    async def consume():
+        async for _ in engine.stream([3, 4], SamplingParams(max_tokens=400, ignore_eos=True)):
+            pass
+
+    async def main():
+        task = asyncio.create_task(consume())
+        while engine.stats().running == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.01)
+
+    run(main())
+    assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+
+
+def test_errors_come_from_the_first_iteration_and_the_loop_lives_on(engine):
+    async def first(prompt, params=None, request_id=None):
+        async for d in engine.stream(prompt, params, request_id):
+            return d
+
+    with pytest.raises(RequestTooLongError, match="max_model_len"):
+        run(first(list(range(100, 600)), SamplingParams(max_tokens=100)))
+    with pytest.raises(InvalidRequestError):
+        run(first(""))
+
+    async def duplicate():
+        a = engine.stream([5], SamplingParams(max_tokens=50, ignore_eos=True), request_id="dup")
+        await a.__anext__()
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            await first([6], None, "dup")
+        await a.aclose()
+
+    run(duplicate())
+    done = run(engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert len(done.token_ids) == 4 and done.finish_reason == "length"
+    engine.check_health()
+    assert engine.stats().loop_alive
+
+
+def test_check_health_fails_when_the_loop_is_gone():
+    e = AsyncLLMEngine(CONFIG)
+    e.check_health()
+    e.shutdown()
+    with pytest.raises(EngineDeadError, match="not running"):
+        e.check_health()
