@@ -139,7 +139,7 @@ class LLMEngine:
             logits, [s.request_id for s in sampling], [s.params for s in sampling])
         self.scheduler.update_after_step(out)
         c = self.counters
-        c.prompt_tokens_computed += sum(s.num_new_tokens for s in out.scheduled if s.seq.num_output_tokens == 0)
+        c.tokens_computed += out.num_tokens
         c.kv_slot_use_sum += self.scheduler.kv_slot_use()
         deltas = []
         for seq, token, lp in zip(sampling, tokens, logprobs):

@@ -48,7 +48,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
     steps: int = 0
-    prompt_tokens_computed: int = 0
+    tokens_computed: int = 0  # tokens whose K/V a step computed: prefill, recompute and decode
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0

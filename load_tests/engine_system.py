@@ -62,8 +62,7 @@ class EngineSystem:
             "kv_slot_use": (after.kv_slot_use_sum - before.kv_slot_use_sum) / steps if steps else 0.0,
             "preemptions": after.preemptions - before.preemptions,
             "mean_tokens_per_step": (
-                (after.generated_tokens - before.generated_tokens
-                 + after.prompt_tokens_computed - before.prompt_tokens_computed) / steps if steps else 0.0
+                (after.tokens_computed - before.tokens_computed) / steps if steps else 0.0
             ),
         }
         return RunResult(wall, [list(c.token_ids) for c in completions], metrics)
