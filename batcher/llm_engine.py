@@ -49,7 +49,7 @@ class LLMEngine:
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
         mcfg = model.config
         self.vocab_size = mcfg.vocab_size
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        self.max_model_len = _max_model_len(config, mcfg)
         head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(mcfg, head_dim)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -214,6 +214,17 @@ class LLMEngine:
         s.prefix_cache_hits = self.block_manager.prefix_hits
         s.seconds_since_last_step = time.monotonic() - self.last_step_time
         return s
+
+
+def _max_model_len(config: EngineConfig, mcfg) -> int:
+    limit = mcfg.max_position_embeddings
+    # Attention here is full; within a sliding window, full and windowed attention agree.
+    window = getattr(mcfg, "sliding_window", None)
+    if window and getattr(mcfg, "use_sliding_window", True):
+        limit = min(limit, window)
+    if config.max_model_len and config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds what the model supports ({limit})")
+    return config.max_model_len or limit
 
 
 def _eos_ids(model, tokenizer) -> set:
