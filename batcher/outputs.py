@@ -52,7 +52,7 @@ class EngineStats:
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
-    forward_seconds: float = 0.0  # wall time inside the model forward (with sampling)
+    forward_seconds: float = 0.0  # wall time inside the model forward (ModelRunner.execute)
     step_seconds: float = 0.0  # wall time of whole steps
     kv_slot_use_sum: float = 0.0  # per step: tokens held / slots allocated, summed (mean = /steps)
     seconds_since_last_step: float = 0.0
