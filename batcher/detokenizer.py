@@ -27,12 +27,12 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
-        for s in self.stop:
-            at = self.text.find(s, max(0, start - len(s) + 1))
-            if at != -1:
-                self.text = self.text[:at]
-                return s
-        return None
+        hits = [(at, s) for s in self.stop if (at := self.text.find(s, max(0, start - len(s) + 1))) != -1]
+        if not hits:
+            return None
+        at, s = min(hits)  # the earliest stop string wins
+        self.text = self.text[:at]
+        return s
 
     def take(self, final: bool) -> str:
         """Text not handed out yet; short of the end it keeps back a possible stop-string prefix."""
