@@ -28,6 +28,7 @@ class AsyncLLMEngine:
         self.model_name = config.model
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.max_request_tokens = self.engine.max_request_tokens
         self.stall_timeout_s = stall_timeout_s
         self._inbox: "queue.SimpleQueue[Tuple[str, object]]" = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -72,6 +72,16 @@ class LLMEngine:
         most_useful = -(-c.max_num_seqs * self.max_model_len // c.block_size)
         return max(1, min(int(c.kv_cache_memory_gib * 2**30) // per_block, most_useful))
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens one request may hold: the whole cache less the admission watermark."""
+        return (self.block_manager.num_blocks - self.scheduler.watermark_blocks) * self.block_manager.block_size
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest prompt + max_tokens this engine admits."""
+        return min(self.max_model_len, self.kv_capacity_tokens)
+
     # -- requests -----------------------------------------------------------------------------
     def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None) -> Request:
@@ -91,10 +101,8 @@ class LLMEngine:
         if needed > self.max_model_len:
             raise RequestTooLongError("max_model_len", needed, self.max_model_len,
                                       f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
-        bm = self.block_manager
-        capacity = (bm.num_blocks - self.scheduler.watermark_blocks) * bm.block_size
-        if bm.blocks_needed(needed) * bm.block_size > capacity:
-            raise RequestTooLongError("the KV cache capacity", needed, capacity,
+        if needed > self.kv_capacity_tokens:
+            raise RequestTooLongError("the KV cache capacity", needed, self.kv_capacity_tokens,
                                       f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params)
         return Request(seq, IncrementalDetokenizer(self._detok_tokenizer, params.stop),
