@@ -66,7 +66,7 @@ def build_app(args: dict) -> Application:
     """Serve application builder. `args` is AppConfig as a dict (or an AppConfig)."""
     cfg = load_config(args)
     llm = LLMServer.options(**llm_deployment_options(cfg)).bind(
-        cfg.engine.model_dump(), cfg.model_name, cfg.stream.interval_ms
+        cfg.engine.model_dump(), cfg.model_name, cfg.stream.model_dump()
     )
     ing = cfg.ingress
     ingress = OpenAIIngress.options(

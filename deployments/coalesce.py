@@ -3,15 +3,18 @@ message, so under load we send what accumulated in a short window, but never del
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, List, TypeVar
+from typing import AsyncIterator, Callable, List, TypeVar, Union
 
 T = TypeVar("T")
 
 
-async def coalesce(deltas: AsyncIterator[T], interval_s: float, is_last=lambda d: False) -> AsyncIterator[List[T]]:
+async def coalesce(deltas: AsyncIterator[T], interval_s: Union[float, Callable[[], float]],
+                   is_last=lambda d: False) -> AsyncIterator[List[T]]:
     """Yields lists of deltas: the first delta alone and at once; later ones are held until
-    `interval_s` has passed since the previous yield (a delta arriving later than that goes out at
-    once). Closing this generator closes `deltas` (which aborts the engine request)."""
+    `interval_s` (a number, or a function read at each chunk) has passed since the previous yield;
+    a delta arriving later than that goes out at once. Closing this generator closes `deltas`
+    (which aborts the engine request)."""
+    interval = interval_s if callable(interval_s) else (lambda: interval_s)
     it = deltas.__aiter__()
     loop = asyncio.get_running_loop()
     pending: asyncio.Future | None = None
@@ -20,11 +23,11 @@ async def coalesce(deltas: AsyncIterator[T], interval_s: float, is_last=lambda d
         yield [first]
         if is_last(first):
             return
-        last_yield, batch = loop.time(), []
+        last_yield, batch, window = loop.time(), [], interval()
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(it.__anext__())
-            timeout = None if not batch else max(0.0, last_yield + interval_s - loop.time())
+            timeout = None if not batch else max(0.0, last_yield + window - loop.time())
             done, _ = await asyncio.wait((pending,), timeout=timeout)
             if done:
                 fut, pending = pending, None
@@ -35,9 +38,9 @@ async def coalesce(deltas: AsyncIterator[T], interval_s: float, is_last=lambda d
                 batch.append(delta)
                 if is_last(delta):
                     break
-            if batch and loop.time() - last_yield >= interval_s:
+            if batch and loop.time() - last_yield >= window:
                 yield batch
-                last_yield, batch = loop.time(), []
+                last_yield, batch, window = loop.time(), [], interval()
         if batch:
             yield batch
     except StopAsyncIteration:  # the source ended before its first delta

@@ -57,6 +57,11 @@ class StreamConfig(BaseModel):
         20.0, ge=0, description="After the first token (always sent at once), merge deltas arriving "
         "within this window into one chunk: fewer Serve messages, same tokens."
     )
+    max_chunks_per_s: Optional[float] = Field(
+        100.0, gt=0, description="Budget of chunks per second per replica over all its streams: with "
+        "N streams open, each waits at least N / budget seconds between chunks (None: no budget). "
+        "Under saturation this keeps Serve's per-message cost off the cores the engine needs."
+    )
 
 
 class AutoscalingConfig(BaseModel):

@@ -100,8 +100,8 @@ class OpenAIIngress:
 
     @api.get("/health")
     async def health(self):
-        try:
-            await asyncio.wait_for(self._model_len(), timeout=10)
+        try:  # a round trip to an LLM replica (not cached: health must reflect now)
+            await asyncio.wait_for(self._fetch_model_info(), timeout=10)
         except Exception as e:
             raise APIError(503, f"no healthy LLM replica: {e}", type="service_unavailable_error") from None
         return {"status": "ok"}
@@ -210,10 +210,14 @@ class OpenAIIngress:
             return out
         return events
 
+    async def _fetch_model_info(self):
+        info = await self.llm.model_info.remote()
+        self._max_model_len = info.max_model_len
+        return info
+
     async def _model_len(self) -> int:
         if self._max_model_len is None:
-            info = await self.llm.model_info.remote()
-            self._max_model_len = info.max_model_len
+            await self._fetch_model_info()
         return self._max_model_len
 
     def _api_error(self, e: Exception) -> APIError:

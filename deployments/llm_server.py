@@ -12,6 +12,7 @@ import pydantic
 from ray import serve
 
 from deployments.coalesce import coalesce
+from deployments.config import StreamConfig
 from deployments.errors import APIError, engine_error
 from deployments.protocol import (GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, TokenLogprob,
                                   TopLogprob)
@@ -19,14 +20,16 @@ from deployments.protocol import (GenerateChunk, GenerateRequest, GenerateRespon
 
 @serve.deployment(name="LLMServer")
 class LLMServer:
-    def __init__(self, engine_config: dict, served_model_name: str, stream_interval_ms: float = 20.0):
+    def __init__(self, engine_config: dict, served_model_name: str, stream_config: Optional[dict] = None):
         from batcher import AsyncLLMEngine, EngineConfig  # torch loads here, not in the ingress
 
         # The engine sets torch's thread count from the config (Ray gives 0-CPU actors 1 thread).
         self.engine = AsyncLLMEngine(EngineConfig.model_validate(engine_config))
         self.tokenizer = self.engine.tokenizer
         self.model_name = served_model_name
-        self.interval_s = stream_interval_ms / 1000.0
+        stream = StreamConfig.model_validate(stream_config or {})
+        self.interval_s, self.chunk_budget = stream.interval_ms / 1000.0, stream.max_chunks_per_s
+        self.open_streams = 0
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         # The longest request the engine admits: the context window, or the whole KV cache less
         # the admission watermark if that is smaller.
@@ -42,11 +45,14 @@ class LLMServer:
         first chunk; cancelling the call aborts the request and frees its KV blocks."""
         request, prompt, params = self._prepare(request)
         deltas = self.engine.stream(prompt, params, request_id=request.request_id)
+        self.open_streams += 1
         try:
-            async for batch in coalesce(deltas, self.interval_s, is_last=lambda d: d.finish_reason is not None):
+            async for batch in coalesce(deltas, self._chunk_interval, is_last=lambda d: d.finish_reason is not None):
                 yield self._chunk(batch)
         except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
             raise engine_error(e, self._param(request)) from None
+        finally:
+            self.open_streams -= 1
 
     async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
         """The whole answer at once. Cancelling the call aborts the request."""
@@ -123,6 +129,13 @@ class LLMServer:
             raise
         except Exception as e:  # e.g. a chat template that refuses the message roles
             raise APIError(400, f"invalid request: {e}") from None
+
+    def _chunk_interval(self) -> float:
+        """Seconds a stream holds deltas before sending a chunk: the configured window, stretched
+        under load so all streams together stay within the chunk budget."""
+        if not self.chunk_budget:
+            return self.interval_s
+        return max(self.interval_s, self.open_streams / self.chunk_budget)
 
     @staticmethod
     def _param(request: GenerateRequest) -> str:

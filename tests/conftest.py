@@ -52,7 +52,7 @@ def serve_cluster():
     import ray
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a user's cluster
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

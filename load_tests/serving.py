@@ -1,0 +1,241 @@
+"""`python -m load_tests.serving`: what the serving path costs, measured in one run.
+
+The same workload goes (1) through the in-process AsyncLLMEngine and (2) through HTTP -> Serve
+proxy -> ingress -> LLM replica (the app of serve_config.yaml, one replica, same engine settings),
+in two regimes:
+- saturated: every request at t=0 (prompts of random token ids, capped-exponential output
+  lengths, EOS ignored); output tokens/s over the whole run;
+- light: one request at a time; time to first token (TTFT).
+Targets: saturated HTTP throughput >= 90% of in-process; TTFT added by the stack <= 25 ms at p50.
+Bounded: a fixed number of requests per phase and a wall-clock cap per phase.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Awaitable, Callable, List, Optional, Sequence, Tuple
+
+from load_tests.workload import capped_lengths, exponential_draws, random_prompts
+
+APP = "bench"
+Request = Tuple[List[int], int]  # prompt token ids, max_tokens
+Timing = Tuple[float, float, int]  # TTFT s, end-to-end s, output tokens
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m load_tests.serving", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--num-requests", type=int, default=64, help="saturated phase: requests sent at t=0")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--mean-output", type=float, default=48.0)
+    p.add_argument("--max-output", type=int, default=128)
+    p.add_argument("--light-requests", type=int, default=12, help="light phase: sequential requests")
+    p.add_argument("--light-output", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the engine (both paths)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--stream-interval-ms", type=float, default=20.0)
+    p.add_argument("--max-chunks-per-s", type=float, default=100.0, help="replica chunk budget; 0 = none")
+    p.add_argument("--phase-timeout-s", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="results/serving.json")
+    return p.parse_args(argv)
+
+
+def engine_config(args) -> dict:
+    return {"model": args.model, "device": "cpu", "dtype": "float32", "num_threads": args.threads,
+            "max_num_seqs": args.max_num_seqs, "enable_prefix_caching": False}
+
+
+def workload(args, vocab: Tuple[int, int]) -> Tuple[List[Request], List[Request], List[Request]]:
+    n = args.num_requests
+    prompts = random_prompts(n + args.light_requests + 4, args.prompt_len, vocab, args.seed)
+    lengths = capped_lengths(exponential_draws(n, args.mean_output, args.seed), args.max_output)
+    saturated = list(zip(prompts[:n], lengths))
+    light = [(p, args.light_output) for p in prompts[n:n + args.light_requests]]
+    warmup = [(p, 8) for p in prompts[-4:]]
+    return saturated, light, warmup
+
+
+# ---- the two paths: each sends one request and times it ---------------------------------------
+
+def in_process_sender(engine) -> Callable[[Request], Awaitable[Timing]]:
+    from batcher import SamplingParams
+
+    async def send(req: Request) -> Timing:
+        t0, ttft, n = time.perf_counter(), None, 0
+        params = SamplingParams(max_tokens=req[1], temperature=0.0, ignore_eos=True)
+        async for delta in engine.stream(list(req[0]), params):
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            n += len(delta.token_ids)
+        return ttft, time.perf_counter() - t0, n
+
+    return send
+
+
+def http_sender(client, url: str) -> Callable[[Request], Awaitable[Timing]]:
+    async def send(req: Request) -> Timing:
+        body = {"prompt": list(req[0]), "max_tokens": req[1], "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0, ttft, n = time.perf_counter(), None, 0
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ttft = ttft if ttft is not None else time.perf_counter() - t0  # first event: first token
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    n = usage["completion_tokens"]
+        return ttft, time.perf_counter() - t0, n
+
+    return send
+
+
+_RAY_DAEMONS = ("raylet", "gcs_server")
+
+
+def cpu_seconds() -> dict:
+    """CPU seconds so far of this process and of every Ray process, by role (proctitle)."""
+    import psutil
+
+    out = {"client (this process)": sum(psutil.Process().cpu_times()[:2])}
+    for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        role = cmd.split()[0][5:] if cmd.startswith("ray::") else proc.info["name"]
+        if proc.pid != os.getpid() and role in _RAY_DAEMONS or cmd.startswith("ray::"):
+            out[role] = out.get(role, 0.0) + sum(proc.info["cpu_times"][:2])
+    return out
+
+
+async def run_phases(send, saturated, light, warmup, timeout_s: float) -> dict:
+    for req in warmup:
+        await send(req)
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    sat = await asyncio.wait_for(asyncio.gather(*(send(r) for r in saturated)), timeout_s)
+    wall = time.perf_counter() - t0
+    cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu_seconds().items() if v - cpu0.get(k, 0.0) > 0.05}
+    lite = [await asyncio.wait_for(send(r), timeout_s) for r in light]
+    out_tokens = sum(t[2] for t in sat)
+    expected = sum(r[1] for r in saturated)
+    assert out_tokens == expected, f"generated {out_tokens} tokens, expected {expected}"
+    return {
+        "saturated": {"requests": len(sat), "output_tokens": out_tokens, "wall_s": wall,
+                      "output_tokens_per_s": out_tokens / wall, **_pcts("ttft_ms", [t[0] for t in sat]),
+                      **_pcts("e2e_ms", [t[1] for t in sat]), "cpu_seconds_by_process": cpu},
+        "light": {"requests": len(lite), **_pcts("ttft_ms", [t[0] for t in lite]),
+                  **_pcts("e2e_ms", [t[1] for t in lite])},
+    }
+
+
+def _pcts(name: str, seconds: List[float]) -> dict:
+    ms = sorted(s * 1000 for s in seconds)
+    q = lambda p: ms[min(len(ms) - 1, int(p * len(ms)))]  # noqa: E731
+    return {f"{name}_p50": statistics.median(ms), f"{name}_p90": q(0.9), f"{name}_max": ms[-1]}
+
+
+# ---- phases ----------------------------------------------------------------------------------
+
+def bench_in_process(args, saturated, light, warmup) -> dict:
+    from batcher import AsyncLLMEngine, EngineConfig
+
+    engine = AsyncLLMEngine(EngineConfig(**engine_config(args)))
+    try:
+        return asyncio.run(run_phases(in_process_sender(engine), saturated, light, warmup, args.phase_timeout_s))
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+
+
+def bench_http(args, saturated, light, warmup) -> dict:
+    import httpx
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"engine": engine_config(args), "stream": {"interval_ms": args.stream_interval_ms,
+                                                                   "max_chunks_per_s": args.max_chunks_per_s or None},
+                             "replica": {"max_ongoing_requests": max(128, args.num_requests)}}),
+                  name=APP, route_prefix=f"/{APP}")
+        url = f"http://127.0.0.1:{port}/{APP}"
+
+        async def go():
+            limits = httpx.Limits(max_connections=args.num_requests + 8)
+            async with httpx.AsyncClient(timeout=args.phase_timeout_s, limits=limits) as client:
+                return await run_phases(http_sender(client, url), saturated, light, warmup, args.phase_timeout_s)
+
+        return asyncio.run(go())
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def report(inproc: dict, http: dict) -> dict:
+    ratio = http["saturated"]["output_tokens_per_s"] / inproc["saturated"]["output_tokens_per_s"]
+    added = http["light"]["ttft_ms_p50"] - inproc["light"]["ttft_ms_p50"]
+    rows = [("saturated output tokens/s", "output_tokens_per_s", "saturated", "{:.1f}"),
+            ("saturated TTFT p50 (ms)", "ttft_ms_p50", "saturated", "{:.0f}"),
+            ("saturated e2e p50 (ms)", "e2e_ms_p50", "saturated", "{:.0f}"),
+            ("light TTFT p50 (ms)", "ttft_ms_p50", "light", "{:.1f}"),
+            ("light TTFT p90 (ms)", "ttft_ms_p90", "light", "{:.1f}"),
+            ("light e2e p50 (ms)", "e2e_ms_p50", "light", "{:.1f}")]
+    print(f"\n{'metric':<28}{'in-process':>12}{'HTTP':>12}")
+    for label, key, regime, fmt in rows:
+        print(f"{label:<28}{fmt.format(inproc[regime][key]):>12}{fmt.format(http[regime][key]):>12}")
+    targets = {
+        "throughput_ratio": ratio, "throughput_ratio_target": 0.90, "throughput_ok": ratio >= 0.90,
+        "added_ttft_p50_ms": added, "added_ttft_target_ms": 25.0, "added_ttft_ok": added <= 25.0,
+    }
+    for name, res in (("in-process", inproc), ("HTTP", http)):
+        cpu = res["saturated"]["cpu_seconds_by_process"]
+        print(f"CPU seconds in the saturated phase, {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
+    print(f"\nHTTP / in-process saturated throughput: {ratio:.1%} (target >= 90%: "
+          f"{'met' if targets['throughput_ok'] else 'MISSED'})")
+    print(f"TTFT added by the stack, p50 light load: {added:.1f} ms (target <= 25 ms: "
+          f"{'met' if targets['added_ttft_ok'] else 'MISSED'})")
+    return targets
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    from batcher.model_loader import load_tokenizer
+    from load_tests.workload import text_token_range
+
+    saturated, light, warmup = workload(args, text_token_range(load_tokenizer(args.model)))
+    print(f"workload: {len(saturated)} saturated requests ({args.prompt_len} prompt tokens, "
+          f"{sum(r[1] for r in saturated)} output tokens), {len(light)} light requests; model {args.model}")
+    started = time.perf_counter()
+    print("in-process engine...", flush=True)
+    inproc = bench_in_process(args, saturated, light, warmup)
+    print("HTTP -> ingress -> replica...", flush=True)
+    http = bench_http(args, saturated, light, warmup)
+    result = {
+        "benchmark": "serving", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "args": vars(args), "in_process": inproc, "http": http, "targets": report(inproc, http),
+        "total_seconds": time.perf_counter() - started,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
