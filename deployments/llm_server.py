@@ -31,11 +31,8 @@ class LLMServer:
         self.interval_s, self.chunk_budget = stream.interval_ms / 1000.0, stream.max_chunks_per_s
         self.open_streams = 0
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        # The longest request the engine admits: the context window, or the whole KV cache less
-        # the admission watermark if that is smaller.
-        cfg, total = self.engine.config, self.engine.stats().kv_blocks_total
-        kv_tokens = (total - int(cfg.watermark * total)) * cfg.block_size
-        self.max_request_tokens = min(self.engine.max_model_len, kv_tokens)
+        # The longest prompt + max_tokens the engine admits (context window or KV capacity).
+        self.max_request_tokens = self.engine.max_request_tokens
         self._token_text: Dict[int, str] = {}
 
     # ---- requests ------------------------------------------------------------------------------

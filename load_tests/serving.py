@@ -2,7 +2,7 @@
 
 The same workload goes (1) through the in-process AsyncLLMEngine and (2) through HTTP -> Serve
 proxy -> ingress -> LLM replica (the app of serve_config.yaml, one replica, same engine settings),
-in two regimes:
+for each torch thread count asked (default: 2, as serve_config.yaml, then 1), in two regimes:
 - saturated: every request at t=0 (prompts of random token ids, capped-exponential output
   lengths, EOS ignored); output tokens/s over the whole run;
 - light: one request at a time; time to first token (TTFT).
@@ -40,7 +40,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--light-requests", type=int, default=12, help="light phase: sequential requests")
     p.add_argument("--light-output", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the engine (both paths)")
+    p.add_argument("--threads", default="2,1",
+                   help="torch threads of the engine, comma separated: one in-process/HTTP pair each")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--stream-interval-ms", type=float, default=20.0)
     p.add_argument("--max-chunks-per-s", type=float, default=100.0, help="replica chunk budget; 0 = none")
@@ -220,20 +221,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     saturated, light, warmup = workload(args, text_token_range(load_tokenizer(args.model)))
     print(f"workload: {len(saturated)} saturated requests ({args.prompt_len} prompt tokens, "
           f"{sum(r[1] for r in saturated)} output tokens), {len(light)} light requests; model {args.model}")
-    started = time.perf_counter()
-    print("in-process engine...", flush=True)
-    inproc = bench_in_process(args, saturated, light, warmup)
-    print("HTTP -> ingress -> replica...", flush=True)
-    http = bench_http(args, saturated, light, warmup)
+    started, runs = time.perf_counter(), []
+    for threads in [int(t) for t in str(args.threads).split(",") if t]:
+        run_args = argparse.Namespace(**{**vars(args), "threads": threads})
+        print(f"\n== engine with {threads} torch thread(s): in-process engine...", flush=True)
+        inproc = bench_in_process(run_args, saturated, light, warmup)
+        print("HTTP -> proxy -> ingress -> replica...", flush=True)
+        http = bench_http(run_args, saturated, light, warmup)
+        print(f"\n-- {threads} torch thread(s)")
+        runs.append({"threads": threads, "in_process": inproc, "http": http, "targets": report(inproc, http)})
     result = {
         "benchmark": "serving", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "args": vars(args), "in_process": inproc, "http": http, "targets": report(inproc, http),
-        "total_seconds": time.perf_counter() - started,
+        "args": vars(args), "runs": runs, "total_seconds": time.perf_counter() - started,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.json}")
+    print(f"\nwrote {args.json} ({result['total_seconds']:.0f} s)")
     return result
 
 
