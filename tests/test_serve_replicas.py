@@ -59,3 +59,16 @@ def test_disconnect_mid_stream_frees_kv_blocks(tiny_app):
     # Generating 1900 tokens takes several seconds: the blocks came back because of the abort.
     assert sum(after[r]["aborted_requests"] - before[r]["aborted_requests"] for r in after) == 1
     assert sum(after[r]["finished_requests"] - before[r]["finished_requests"] for r in after) == 0
+
+
+def test_replica_reports_load_for_router_and_autoscaler(tiny_app):
+    """The hooks Serve polls: record_routing_stats (router), record_autoscaling_stats (policy),
+    check_health (replacement). Called here through the handle like any method."""
+    handle = serve.get_deployment_handle("LLMServer", "tiny")
+    routing = handle.record_routing_stats.remote().result()
+    assert {"waiting", "running", "kv_usage", "kv_blocks_free", "kv_blocks_total"} <= set(routing)
+    autoscaling = handle.record_autoscaling_stats.remote().result()
+    assert set(autoscaling) == {"waiting", "running", "kv_usage", "kv_blocks_free"}
+    assert all(isinstance(v, float) for v in autoscaling.values())
+    assert autoscaling["kv_blocks_free"] == routing["kv_blocks_total"] == 512  # idle: every block free
+    assert handle.check_health.remote().result() is None
