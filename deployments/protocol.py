@@ -67,28 +67,22 @@ class TokenLogprob(BaseModel):
     top_logprobs: List[TopLogprob] = Field(default_factory=list)
 
 
-class GenerateChunk(BaseModel):
+class _GenerateOutput(BaseModel):
+    request_id: str
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    logprobs: Optional[List[TokenLogprob]] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class GenerateChunk(_GenerateOutput):
     """New tokens since the previous chunk; finish_reason is set on the last chunk."""
 
-    request_id: str
-    text: str
-    token_ids: List[int]
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
-    logprobs: Optional[List[TokenLogprob]] = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
-
-class GenerateResponse(BaseModel):
+class GenerateResponse(_GenerateOutput):
     """A whole, non-streamed answer."""
-
-    request_id: str
-    text: str
-    token_ids: List[int]
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
-    logprobs: Optional[List[TokenLogprob]] = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 class ModelInfo(BaseModel):
