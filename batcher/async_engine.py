@@ -14,7 +14,7 @@ from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from batcher.config import EngineConfig
 from batcher.errors import EngineDeadError, EngineError, InvalidRequestError
-from batcher.llm_engine import LLMEngine, Prompt
+from batcher.llm_engine import LLMEngine, Prompt, Request
 from batcher.outputs import Completion, EngineStats, StreamDelta, completion_from_deltas, merge_deltas
 from batcher.sampling_params import SamplingParams
 
@@ -93,7 +93,17 @@ class AsyncLLMEngine:
         """Yields the request's deltas; tokens that piled up while the caller was busy come as one.
         Leaving the loop early (or being cancelled) aborts the request and frees its KV blocks."""
         self.check_health()
+        async for delta in self._run_request(self.engine.make_request(prompt, params, request_id)):
+            yield delta
+
+    async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None) -> Completion:
+        self.check_health()
         request = self.engine.make_request(prompt, params, request_id)
+        deltas = [d async for d in self._run_request(request)]
+        return completion_from_deltas(request.seq.prompt_token_ids, deltas)
+
+    async def _run_request(self, request: Request) -> AsyncIterator[StreamDelta]:
         rid = request.seq.request_id
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
@@ -112,12 +122,6 @@ class AsyncLLMEngine:
             self._streams.pop(rid, None)
             if not finished:
                 self._send("abort", rid)
-
-    async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> Completion:
-        deltas = [d async for d in self.stream(prompt, params, request_id)]
-        prompt_ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
-        return completion_from_deltas(prompt_ids, deltas)
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)

@@ -5,12 +5,14 @@ fails its health check when the engine loop is dead or stuck, so Serve replaces 
 """
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import AsyncIterator, Dict, List, Optional, Union
 
 import pydantic
 from ray import serve
 
+from batcher.outputs import merge_deltas
 from deployments.coalesce import coalesce
 from deployments.config import StreamConfig
 from deployments.errors import APIError, engine_error
@@ -54,21 +56,14 @@ class LLMServer:
     async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
         """The whole answer at once. Cancelling the call aborts the request."""
         request, prompt, params = self._prepare(request)
-        text, token_ids, logprobs, last = [], [], [], None
         try:
-            async for delta in self.engine.stream(prompt, params, request_id=request.request_id):
-                text.append(delta.text)
-                token_ids.extend(delta.token_ids)
-                logprobs.extend(delta.logprobs or [])
-                last = delta
-        except (ValueError, RuntimeError) as e:
+            out = await self.engine.generate(prompt, params, request_id=request.request_id)
+        except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
             raise engine_error(e, self._param(request)) from None
         return GenerateResponse(
-            request_id=request.request_id, text="".join(text), token_ids=token_ids,
-            finish_reason=last.finish_reason if last else None,
-            logprobs=self._logprobs(logprobs) if params.logprobs is not None else None,
-            prompt_tokens=last.num_prompt_tokens if last else 0,
-            completion_tokens=last.num_generated_tokens if last else 0,
+            request_id=out.request_id, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+            logprobs=self._logprobs(out.logprobs) if out.logprobs is not None else None,
+            prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
         )
 
     def model_info(self) -> ModelInfo:
@@ -139,13 +134,11 @@ class LLMServer:
         return "messages" if request.messages is not None else "prompt"
 
     def _chunk(self, deltas: list) -> GenerateChunk:
-        last = deltas[-1]
-        lps = [lp for d in deltas for lp in (d.logprobs or [])]
+        d = functools.reduce(merge_deltas, deltas)
         return GenerateChunk(
-            request_id=last.request_id, text="".join(d.text for d in deltas),
-            token_ids=[t for d in deltas for t in d.token_ids], finish_reason=last.finish_reason,
-            logprobs=self._logprobs(lps) if lps else None,
-            prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_generated_tokens,
+            request_id=d.request_id, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
+            logprobs=self._logprobs(d.logprobs) if d.logprobs else None,
+            prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated_tokens,
         )
 
     def _text_of(self, token_id: int) -> str:
