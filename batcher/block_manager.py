@@ -85,8 +85,8 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
 
     # -- allocation ---------------------------------------------------------------------------
-    def can_admit(self, seq: Sequence, cached: List[int], num_new_tokens: int, reserve: int) -> bool:
-        """Whether `seq` can hold `num_new_tokens` beyond its cached prefix, leaving `reserve` free."""
+    def can_admit(self, cached: List[int], num_new_tokens: int, reserve: int) -> bool:
+        """Whether a sequence can hold `num_new_tokens` beyond its cached prefix, leaving `reserve` free."""
         need = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
         # Reusing a cached block that sits in the free list takes it out of the free list too.
         reused_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)

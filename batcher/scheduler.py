@@ -97,7 +97,7 @@ class Scheduler:
                 break  # only the running batch's preempted members may come back
             cached = bm.match_prefix(seq)
             n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-            if not bm.can_admit(seq, cached, n, self.watermark_blocks):
+            if not bm.can_admit(cached, n, self.watermark_blocks):
                 break
             self.waiting.popleft()
             bm.admit(seq, cached)
