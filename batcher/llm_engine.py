@@ -138,7 +138,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            if out.preempted:
+                return []
+            # Admission checks make this unreachable; if it ever happens, fail loudly, don't spin.
+            raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
         t1 = time.perf_counter()
         logits = self.runner.execute(out.scheduled)
         t2 = time.perf_counter()
