@@ -50,8 +50,7 @@ class LLMEngine:
         mcfg = model.config
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = _max_model_len(config, mcfg)
-        head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(mcfg, head_dim)
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(mcfg)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.watermark,
@@ -64,10 +63,9 @@ class LLMEngine:
         self.counters = EngineStats(kv_blocks_total=num_blocks)
         self.last_step_time = time.monotonic()
 
-    def _blocks_for_memory(self, mcfg, head_dim: int) -> int:
+    def _blocks_for_memory(self, mcfg) -> int:
         c = self.config
-        per_block = KVCache.bytes_per_block(mcfg.num_hidden_layers, c.block_size,
-                                            mcfg.num_key_value_heads, head_dim, self.dtype)
+        per_block = KVCache.bytes_per_block(mcfg, c.block_size, self.dtype)
         # No more than the batch could ever fill (small models would otherwise get millions).
         most_useful = -(-c.max_num_seqs * self.max_model_len // c.block_size)
         return max(1, min(int(c.kv_cache_memory_gib * 2**30) // per_block, most_useful))

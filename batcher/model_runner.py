@@ -18,12 +18,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         cfg = model.config
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.gqa_groups = cfg.num_attention_heads // self.num_kv_heads
-        self.kv_cache = KVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
-                                self.head_dim, dtype, device)
+        self.gqa_groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.kv_cache = KVCache(cfg, num_blocks, block_size, dtype, device)
 
     @torch.inference_mode()
     def execute(self, scheduled: List[ScheduledSeq]) -> torch.Tensor:

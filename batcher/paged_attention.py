@@ -8,7 +8,7 @@ once per step into `PagedMetadata`, so each layer does a fixed handful of batche
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,19 +17,27 @@ from transformers import AttentionInterface
 ATTENTION_NAME = "iterserve_paged"
 
 
+def kv_geometry(model_config) -> Tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a HF decoder config."""
+    c = model_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers, c.num_key_value_heads, head_dim
+
+
 class KVCache:
     """One K and one V tensor per layer, shaped (num_blocks * block_size, num_kv_heads, head_dim)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        num_layers, num_kv_heads, head_dim = kv_geometry(model_config)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+        num_layers, num_kv_heads, head_dim = kv_geometry(model_config)
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 

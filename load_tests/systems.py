@@ -51,13 +51,6 @@ class System(Protocol):
     def close(self) -> None: ...
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K and V of every layer for one token, the unit both paged caches are sized in."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem
-
-
 def load_hf_model(name: str):
     """The baselines' model: fp32 on CPU, EOS disabled so `generate` always runs to max_new_tokens."""
     from batcher.model_loader import load_model

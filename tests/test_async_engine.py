@@ -3,8 +3,8 @@ import asyncio
 
 import pytest
 
-from batcher import (AsyncLLMEngine, EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine, RequestTooLongError,
-                     SamplingParams)
+from batcher import (AsyncLLMEngine, EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine,
+                     RequestTooLongError, SamplingParams)
 from tests.reference import mixed_prompts
 
 CONFIG = EngineConfig(model="tiny-llama", max_model_len=512, num_kv_blocks=256, block_size=4)
