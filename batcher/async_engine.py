@@ -110,12 +110,15 @@ class AsyncLLMEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
         self._send("add", request)
-        finished = False
+        finished, first = False, True
         try:
             while not finished:
                 delta = _raise_if_error(await q.get())
-                while not q.empty():
+                # A slow consumer gets piled-up deltas merged, but the first token always goes
+                # out alone so time-to-first-token stays observable downstream.
+                while not first and not q.empty():
                     delta = merge_deltas(delta, _raise_if_error(q.get_nowait()))
+                first = False
                 finished = delta.finish_reason is not None
                 yield delta
         finally:
