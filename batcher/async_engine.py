@@ -23,12 +23,8 @@ _IDLE_WAIT_S = 0.5
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, stall_timeout_s: float = 120.0):
-        self.engine = LLMEngine(config)
         self.config = config
         self.model_name = config.model
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self.max_request_tokens = self.engine.max_request_tokens
         self.stall_timeout_s = stall_timeout_s
         self._inbox: "queue.SimpleQueue[Tuple[str, object]]" = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -36,11 +32,27 @@ class AsyncLLMEngine:
         self._error: Optional[BaseException] = None
         self._stopped = False
         self._heartbeat = time.monotonic()  # last time the loop went round
-        self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="iterserve-engine", daemon=True)
         self._thread.start()
+        ready.wait()
+        if self._error is not None:  # the model failed to load: the caller gets that error
+            raise self._error
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.max_request_tokens = self.engine.max_request_tokens
 
     # -- the loop thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, ready: threading.Event) -> None:
+        # Every torch op runs in this thread, model loading included: OpenMP keeps a thread team
+        # per calling thread, and a second team made 2-thread steps ~60% slower (measured).
+        try:
+            self.engine = LLMEngine(self.config)
+        except BaseException as e:
+            self._error = e
+            return
+        finally:
+            ready.set()
         try:
             while not self._stopped:
                 deltas = self._drain_inbox()

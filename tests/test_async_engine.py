@@ -108,3 +108,12 @@ def test_check_health_fails_when_the_loop_is_gone():
     e.shutdown()
     with pytest.raises(EngineDeadError, match="not running"):
         e.check_health()
+
+
+def test_a_model_that_fails_to_load_fails_the_constructor(tmp_path):
+    """The model loads in the loop thread; its error still reaches the caller, and no loop is left."""
+    missing = EngineConfig(model=str(tmp_path / "no-such-model"))
+    with pytest.raises(Exception) as sync_error:
+        LLMEngine(missing)
+    with pytest.raises(type(sync_error.value)):
+        AsyncLLMEngine(missing)
