@@ -5,14 +5,18 @@ proxy -> ingress -> LLM replica (the app of serve_config.yaml, one replica, same
 for each torch thread count asked (default: 2, as serve_config.yaml, then 1), in two regimes:
 - saturated: every request at t=0 (prompts of random token ids, capped-exponential output
   lengths, EOS ignored); output tokens/s over the whole run;
-- light: one request at a time; time to first token (TTFT).
+- light: one request at a time, alternating between the two paths so that drift on a shared
+  machine hits both alike; time to first token (TTFT).
 Targets: saturated HTTP throughput >= 90% of in-process; TTFT added by the stack <= 25 ms at p50.
+Then the same cores two ways over HTTP, under a burst of N x the requests: N one-thread replicas
+against one N-thread replica (serve_config.yaml).
 Bounded: a fixed number of requests per phase and a wall-clock cap per phase.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import gc
 import json
@@ -38,10 +42,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--mean-output", type=float, default=48.0)
     p.add_argument("--max-output", type=int, default=128)
-    p.add_argument("--light-requests", type=int, default=12, help="light phase: sequential requests")
+    p.add_argument("--light-requests", type=int, default=20, help="light phase: sequential requests")
     p.add_argument("--light-output", type=int, default=4)
     p.add_argument("--threads", default="2,1",
                    help="torch threads of the engine, comma separated: one in-process/HTTP pair each")
+    p.add_argument("--data-parallel", type=int, default=2,
+                   help="then compare N 1-thread replicas with 1 N-thread replica over HTTP; 0 = skip")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--stream-interval-ms", type=float, default=20.0)
     p.add_argument("--max-chunks-per-s", type=float, default=100.0, help="replica chunk budget; 0 = none")
@@ -117,24 +123,32 @@ def cpu_seconds() -> dict:
     return out
 
 
-async def run_phases(send, saturated, light, warmup, timeout_s: float) -> dict:
+async def saturate(send, saturated: List[Request], warmup: List[Request], timeout_s: float) -> dict:
+    """Every request at t=0; output tokens/s over the whole burst, and each process's CPU seconds."""
     for req in warmup:
         await send(req)
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     sat = await asyncio.wait_for(asyncio.gather(*(send(r) for r in saturated)), timeout_s)
     wall = time.perf_counter() - t0
     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu_seconds().items() if v - cpu0.get(k, 0.0) > 0.05}
-    lite = [await asyncio.wait_for(send(r), timeout_s) for r in light]
     out_tokens = sum(t[2] for t in sat)
     expected = sum(r[1] for r in saturated)
     assert out_tokens == expected, f"generated {out_tokens} tokens, expected {expected}"
-    return {
-        "saturated": {"requests": len(sat), "output_tokens": out_tokens, "wall_s": wall,
-                      "output_tokens_per_s": out_tokens / wall, **_pcts("ttft_ms", [t[0] for t in sat]),
-                      **_pcts("e2e_ms", [t[1] for t in sat]), "cpu_seconds_by_process": cpu},
-        "light": {"requests": len(lite), **_pcts("ttft_ms", [t[0] for t in lite]),
-                  **_pcts("e2e_ms", [t[1] for t in lite])},
-    }
+    return {"requests": len(sat), "output_tokens": out_tokens, "wall_s": wall, "output_tokens_per_s": out_tokens / wall,
+            **_pcts("ttft_ms", [t[0] for t in sat]), **_pcts("e2e_ms", [t[1] for t in sat]),
+            "cpu_seconds_by_process": cpu}
+
+
+async def one_at_a_time(sends: Sequence[Callable[[Request], Awaitable[Timing]]], light: List[Request],
+                        timeout_s: float) -> List[dict]:
+    """Light load: one request in flight. With several paths the requests alternate between them,
+    so drift on a shared machine hits every path alike."""
+    timings: List[List[Timing]] = [[] for _ in sends]
+    for req in light:
+        for send, out in zip(sends, timings):
+            out.append(await asyncio.wait_for(send(req), timeout_s))
+    return [{"requests": len(t), **_pcts("ttft_ms", [x[0] for x in t]), **_pcts("e2e_ms", [x[1] for x in t])}
+            for t in timings]
 
 
 def _pcts(name: str, seconds: List[float]) -> dict:
@@ -145,46 +159,76 @@ def _pcts(name: str, seconds: List[float]) -> dict:
 
 # ---- phases ----------------------------------------------------------------------------------
 
-def bench_in_process(args, saturated, light, warmup) -> dict:
+@contextlib.contextmanager
+def serve_app(args, replicas: int = 1):
+    """A local Ray cluster running the app (one ingress, `replicas` LLM replicas); yields its URL."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, replicas), include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        stream = {"interval_ms": args.stream_interval_ms, "max_chunks_per_s": args.max_chunks_per_s or None}
+        replica = {"max_ongoing_requests": max(128, args.num_requests), "num_replicas": replicas,
+                   "num_cpus": 1 if replicas > 1 else 0}  # side by side: one core each
+        serve.run(build_app({"engine": engine_config(args), "stream": stream, "replica": replica}),
+                  name=APP, route_prefix=f"/{APP}")
+        yield f"http://127.0.0.1:{port}/{APP}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def http_client(args):
+    import httpx
+
+    limits = httpx.Limits(max_connections=2 * args.num_requests + 8)
+    return httpx.AsyncClient(timeout=args.phase_timeout_s, limits=limits)
+
+
+def bench_pair(args, saturated, light, warmup) -> Tuple[dict, dict]:
+    """The in-process engine, then the same engine settings behind Serve; light requests alternate
+    between the two (the in-process engine idles while Serve is saturated)."""
     from batcher import AsyncLLMEngine, EngineConfig
 
     engine = AsyncLLMEngine(EngineConfig(**engine_config(args)))
     try:
-        return asyncio.run(run_phases(in_process_sender(engine), saturated, light, warmup, args.phase_timeout_s))
+        local = in_process_sender(engine)
+        inproc = {"saturated": asyncio.run(saturate(local, saturated, warmup, args.phase_timeout_s))}
+        print("HTTP -> proxy -> ingress -> replica...", flush=True)
+        with serve_app(args) as url:
+            async def go():
+                async with http_client(args) as client:
+                    remote = http_sender(client, url)
+                    sat = await saturate(remote, saturated, warmup, args.phase_timeout_s)
+                    lite_local, lite_remote = await one_at_a_time([local, remote], light, args.phase_timeout_s)
+                    return {"saturated": sat, "light": lite_remote}, lite_local
+
+            http, inproc["light"] = asyncio.run(go())
+        return inproc, http
     finally:
         engine.shutdown()
         del engine
         gc.collect()
 
 
-def bench_http(args, saturated, light, warmup) -> dict:
-    import httpx
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"engine": engine_config(args), "stream": {"interval_ms": args.stream_interval_ms,
-                                                                   "max_chunks_per_s": args.max_chunks_per_s or None},
-                             "replica": {"max_ongoing_requests": max(128, args.num_requests)}}),
-                  name=APP, route_prefix=f"/{APP}")
-        url = f"http://127.0.0.1:{port}/{APP}"
-
+def bench_layout(args, saturated, light, warmup, replicas: int) -> dict:
+    """HTTP only: `replicas` LLM replicas of args.threads torch threads each."""
+    with serve_app(args, replicas) as url:
         async def go():
-            limits = httpx.Limits(max_connections=args.num_requests + 8)
-            async with httpx.AsyncClient(timeout=args.phase_timeout_s, limits=limits) as client:
-                return await run_phases(http_sender(client, url), saturated, light, warmup, args.phase_timeout_s)
+            async with http_client(args) as client:
+                send = http_sender(client, url)
+                sat = await saturate(send, saturated, warmup, args.phase_timeout_s)
+                (lite,) = await one_at_a_time([send], light, args.phase_timeout_s)
+                return {"saturated": sat, "light": lite}
 
         return asyncio.run(go())
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def report(inproc: dict, http: dict) -> dict:
@@ -213,27 +257,46 @@ def report(inproc: dict, http: dict) -> dict:
     return targets
 
 
+def report_layouts(layouts: List[dict], burst: int) -> None:
+    print(f"\n-- replica layouts over HTTP, {burst} requests at t=0")
+    print(f"{'layout':<28}{'output tok/s':>14}{'light TTFT p50':>16}")
+    for run in layouts:
+        print(f"{run['layout']:<28}{run['http']['saturated']['output_tokens_per_s']:>14.1f}"
+              f"{run['http']['light']['ttft_ms_p50']:>13.1f} ms")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     from batcher.model_loader import load_tokenizer
     from load_tests.workload import text_token_range
 
-    saturated, light, warmup = workload(args, text_token_range(load_tokenizer(args.model)))
+    vocab = text_token_range(load_tokenizer(args.model))
+    saturated, light, warmup = workload(args, vocab)
     print(f"workload: {len(saturated)} saturated requests ({args.prompt_len} prompt tokens, "
           f"{sum(r[1] for r in saturated)} output tokens), {len(light)} light requests; model {args.model}")
-    started, runs = time.perf_counter(), []
+    started, runs, layouts = time.perf_counter(), [], []
     for threads in [int(t) for t in str(args.threads).split(",") if t]:
         run_args = argparse.Namespace(**{**vars(args), "threads": threads})
         print(f"\n== engine with {threads} torch thread(s): in-process engine...", flush=True)
-        inproc = bench_in_process(run_args, saturated, light, warmup)
-        print("HTTP -> proxy -> ingress -> replica...", flush=True)
-        http = bench_http(run_args, saturated, light, warmup)
+        inproc, http = bench_pair(run_args, saturated, light, warmup)
         print(f"\n-- {threads} torch thread(s)")
         runs.append({"threads": threads, "in_process": inproc, "http": http, "targets": report(inproc, http)})
+    if args.data_parallel > 1:
+        # Same cores two ways, under a burst that fills every replica's batch.
+        n = args.data_parallel
+        burst_args = argparse.Namespace(**{**vars(args), "num_requests": n * args.num_requests})
+        burst = workload(burst_args, vocab)[0]
+        for replicas, threads in ((n, 1), (1, n)):
+            layout = f"{replicas} replica(s) x {threads} thread(s)"
+            print(f"\n== {layout}, HTTP, {len(burst)} requests at t=0...", flush=True)
+            run_args = argparse.Namespace(**{**vars(burst_args), "threads": threads})
+            layouts.append({"layout": layout, "replicas": replicas, "threads": threads,
+                            "http": bench_layout(run_args, burst, light, warmup, replicas)})
+        report_layouts(layouts, len(burst))
     result = {
         "benchmark": "serving", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "args": vars(args), "runs": runs, "total_seconds": time.perf_counter() - started,
+        "args": vars(args), "runs": runs, "layouts": layouts, "total_seconds": time.perf_counter() - started,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
