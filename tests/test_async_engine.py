@@ -1,5 +1,6 @@
 """AsyncLLMEngine: streaming from the loop thread, abort on disconnect, errors, health."""
 import asyncio
+import time
 
 import pytest
 
@@ -37,6 +38,19 @@ def test_concurrent_streams_equal_offline_greedy(engine):
     got = run(main())
     assert [g[0] for g in got] == [e.token_ids for e in expected]
     assert [g[1] for g in got] == [e.text for e in expected]
+
+
+def test_a_slow_reader_gets_the_first_token_alone_and_the_rest_merged(engine):
+    async def main():
+        stream = engine.stream([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the request goes to the engine
+        time.sleep(0.5)  # the event loop is stuck while the engine's deltas pile up
+        return [await first] + [d async for d in stream]
+
+    deltas = run(main())
+    assert len(deltas[0].token_ids) == 1
+    assert sum(len(d.token_ids) for d in deltas) == 12 and len(deltas) < 12
 
 
 def test_leaving_the_stream_aborts_and_frees_blocks(engine):
@@ -111,7 +125,7 @@ def test_check_health_fails_when_the_loop_is_gone():
 
 
 def test_a_model_that_fails_to_load_fails_the_constructor(tmp_path):
-    """The model loads in the loop thread; its error still reaches the caller, and no loop is left."""
+    """The model loads in the loop thread; its error still reaches the caller."""
     missing = EngineConfig(model=str(tmp_path / "no-such-model"))
     with pytest.raises(Exception) as sync_error:
         LLMEngine(missing)
