@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Sequence as Sequence_, Tuple
 
 from batcher.sequence import Sequence
 
@@ -24,7 +24,24 @@ class Block:
 
 
 def chain_hash(parent_hash: int, token_ids: Tuple[int, ...]) -> int:
+    # Tuples of ints hash the same in every process (no hash seed), so routers can compute it too.
     return hash((parent_hash, token_ids))
+
+
+def iter_block_hashes(token_ids: Sequence_[int], block_size: int, num_blocks: int) -> Iterator[Tuple[int, Tuple[int, ...]]]:
+    """(hash, token ids) of the first `num_blocks` full blocks of `token_ids`."""
+    parent = _NO_HASH
+    for i in range(num_blocks):
+        chunk = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        parent = chain_hash(parent, chunk)
+        yield parent, chunk
+
+
+def cacheable_block_hashes(token_ids: Sequence_[int], block_size: int) -> List[int]:
+    """Hashes of the blocks of `token_ids` a prefix-cache lookup can hit: the full blocks before the
+    last token (whose logits must be computed). Also what a finished sequence leaves cached: every
+    token but the last sampled one was computed."""
+    return [h for h, _ in iter_block_hashes(token_ids, block_size, (len(token_ids) - 1) // block_size)]
 
 
 class BlockManager:
@@ -56,17 +73,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         tokens = seq.token_ids
-        num_full = (len(tokens) - 1) // self.block_size
         found: List[int] = []
-        parent = _NO_HASH
-        for i in range(num_full):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(parent, chunk)
+        for h, chunk in iter_block_hashes(tokens, self.block_size, (len(tokens) - 1) // self.block_size):
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
             found.append(block_id)
-            parent = h
         return found
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -103,6 +115,8 @@ class BlockManager:
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
         seq.num_computed_tokens = len(cached) * self.block_size
+        if not seq.num_preemptions:  # what the client is told was cached: the first admission's
+            seq.num_cached_tokens = seq.num_computed_tokens
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_computed_tokens
 

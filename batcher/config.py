@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from batcher import simulated
 
 
 class EngineConfig(BaseModel):
@@ -14,7 +16,8 @@ class EngineConfig(BaseModel):
     model: str = Field(
         "smollm2-135m-instruct",
         description="'smollm2-135m-instruct' (embedded), 'tiny-llama' (random, for tests), "
-        "a local HF model directory, or a hub id.",
+        "a local HF model directory, a hub id, or 'sim:<preset>' (a simulated replica: real scheduler "
+        "and KV bookkeeping, the forward replaced by a step-time model; see batcher/simulated.py).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", description="'auto' picks cuda when available, else cpu.")
@@ -30,6 +33,13 @@ class EngineConfig(BaseModel):
     max_model_len: Optional[int] = Field(None, ge=1, description="Default: the model's context length.")
     num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default: all cores.")
     seed: int = 0
+
+    @field_validator("model")
+    @classmethod
+    def _check_simulation(cls, model: str) -> str:
+        if simulated.is_simulated(model):
+            simulated.preset_for(model)  # names the known presets when this one is not
+        return model
 
     @model_validator(mode="after")
     def _check_static(self) -> "EngineConfig":

@@ -10,11 +10,12 @@ from typing import Dict, List, Optional, Sequence as Seq, Union
 
 import torch
 
+from batcher import simulated
 from batcher.block_manager import BlockManager
 from batcher.config import EngineConfig
 from batcher.detokenizer import IncrementalDetokenizer
 from batcher.errors import InvalidRequestError, RequestTooLongError
-from batcher.model_loader import load_model, resolve_device, resolve_dtype
+from batcher.model_loader import EMBEDDED_MODEL, load_model, load_tokenizer, resolve_device, resolve_dtype
 from batcher.model_runner import ModelRunner
 from batcher.outputs import Completion, EngineStats, StreamDelta, TokenLogprob, completion_from_deltas
 from batcher.paged_attention import KVCache
@@ -42,12 +43,21 @@ class LLMEngine:
         self.model_name = config.model
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        model, self.tokenizer = load_model(config.model, self.dtype, self.device, config.seed)
+        # "sim:<preset>": the same engine with a step-time model in place of the forward.
+        self.simulation = simulated.preset_for(config.model) if simulated.is_simulated(config.model) else None
+        self.device = resolve_device("cpu" if self.simulation else config.device)
+        if self.simulation:
+            self.dtype = getattr(torch, self.simulation.kv_dtype)
+            self.tokenizer = load_tokenizer(EMBEDDED_MODEL)
+            mcfg = simulated.SimulatedModelConfig(self.simulation, len(self.tokenizer))
+            self.eos_token_ids = {self.tokenizer.eos_token_id}
+        else:
+            self.dtype = resolve_dtype(config.dtype, self.device)
+            model, self.tokenizer = load_model(config.model, self.dtype, self.device, config.seed)
+            mcfg = model.config
+            self.eos_token_ids = _eos_ids(model, self.tokenizer)
         # The engine thread detokenizes while callers encode: give it its own tokenizer object.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
-        mcfg = model.config
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = _max_model_len(config, mcfg)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(mcfg)
@@ -56,9 +66,13 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.watermark,
             config.static_batch_size if config.scheduling == "static" else None,
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
-        self.sampler = Sampler(config.seed)
-        self.eos_token_ids = _eos_ids(model, self.tokenizer)
+        if self.simulation:
+            answer_ids = self.tokenizer(simulated.ANSWER_TEXT, add_special_tokens=False)["input_ids"]
+            self.runner = simulated.SimulatedRunner(self.simulation, answer_ids, self.tokenizer.eos_token_id)
+            self.sampler = simulated.SimulatedSampler()
+        else:
+            self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
+            self.sampler = Sampler(config.seed)
         self.requests: Dict[str, Request] = {}
         self.counters = EngineStats(kv_blocks_total=num_blocks)
         self.last_step_time = time.monotonic()
@@ -68,7 +82,10 @@ class LLMEngine:
         per_block = KVCache.bytes_per_block(mcfg, c.block_size, self.dtype)
         # No more than the batch could ever fill (small models would otherwise get millions).
         most_useful = -(-c.max_num_seqs * self.max_model_len // c.block_size)
-        return max(1, min(int(c.kv_cache_memory_gib * 2**30) // per_block, most_useful))
+        memory_gib = c.kv_cache_memory_gib
+        if self.simulation and "kv_cache_memory_gib" not in c.model_fields_set:
+            memory_gib = self.simulation.kv_cache_memory_gib  # the simulated device's, not this machine's
+        return max(1, min(int(memory_gib * 2**30) // per_block, most_useful))
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -192,6 +209,7 @@ class LLMEngine:
             request_id=seq.request_id, token_ids=new, text=request.detokenizer.take(seq.is_finished),
             finish_reason=seq.finish_reason, logprobs=logprobs,
             num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # -- offline ------------------------------------------------------------------------------
@@ -222,6 +240,10 @@ class LLMEngine:
         s.prefix_cache_queries = self.block_manager.prefix_queries
         s.prefix_cache_hits = self.block_manager.prefix_hits
         s.seconds_since_last_step = time.monotonic() - self.last_step_time
+        s.queued_prefill_tokens = sum(q.num_tokens - q.num_computed_tokens for q in self.scheduler.waiting) + sum(
+            q.num_prompt_tokens - q.num_computed_tokens for q in self.scheduler.running
+            if q.num_computed_tokens < q.num_prompt_tokens)
+        s.simulation = self.simulation.name if self.simulation else ""
         return s
 
 

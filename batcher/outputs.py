@@ -22,6 +22,7 @@ class Completion:
     text: str
     finish_reason: Optional[str]  # "stop" | "length" | "abort"
     logprobs: Optional[List[TokenLogprob]] = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 @dataclass
@@ -35,6 +36,7 @@ class StreamDelta:
     logprobs: Optional[List[TokenLogprob]] = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
 
 @dataclass
@@ -57,6 +59,8 @@ class EngineStats:
     kv_slot_use_sum: float = 0.0  # per step: tokens held / slots allocated, summed (mean = /steps)
     seconds_since_last_step: float = 0.0
     loop_alive: bool = True
+    queued_prefill_tokens: int = 0  # prompt tokens waiting or running that are not computed yet
+    simulation: str = ""  # the step-time preset of a simulated replica ("" for a real model)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -81,6 +85,7 @@ def merge_deltas(first: StreamDelta, later: StreamDelta) -> StreamDelta:
         logprobs=logprobs,
         num_prompt_tokens=later.num_prompt_tokens,
         num_generated_tokens=later.num_generated_tokens,
+        num_cached_tokens=later.num_cached_tokens,
     )
 
 
@@ -95,4 +100,5 @@ def completion_from_deltas(prompt_token_ids: List[int], deltas: List[StreamDelta
         text=merged.text,
         finish_reason=merged.finish_reason,
         logprobs=merged.logprobs,
+        num_cached_tokens=merged.num_cached_tokens,
     )

@@ -28,6 +28,7 @@ class Sequence:
     block_hashes: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
 
     def __post_init__(self) -> None:
         if not self.token_ids:

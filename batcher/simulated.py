@@ -1,0 +1,178 @@
+"""Simulated replicas (`model: "sim:<preset>"`): the real engine with only the forward replaced.
+
+Everything but the model is real: scheduler, block manager, prefix cache, detokenizer, streaming,
+and the embedded model's tokenizer and chat template (so prompts, prefixes and usage are real). The
+forward becomes a step-time model that sleeps (no core used: eight simulated replicas fit on two
+cores) and emits deterministic tokens. It exists to run fleets (routing, autoscaling) on a small
+machine; every figure it produces is a simulation and is labelled so.
+
+    step time = fixed + prefill tokens x a + decoding sequences x b + context tokens x c
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from batcher.outputs import TokenLogprob
+from batcher.sampling_params import SamplingParams
+
+SIM_PREFIX = "sim:"
+# The deterministic answer: these words, over and over (each starts with a space, so the text
+# re-tokenizes to the same ids and a follow-up turn hits the cache like a real answer would).
+ANSWER_TEXT = " This is a simulated answer from the step time model."
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Seconds one engine step takes, from what the scheduler put in it."""
+
+    fixed_s: float  # weights read once per step, launch and scheduling overhead
+    prefill_token_s: float  # compute per prompt token
+    decode_seq_s: float  # per sequence decoding one token (sampling, bookkeeping)
+    context_token_s: float  # attention: KV read per token of context, per sequence in the step
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        return (self.fixed_s + prefill_tokens * self.prefill_token_s + decode_seqs * self.decode_seq_s
+                + context_tokens * self.context_token_s)
+
+
+@dataclass(frozen=True)
+class SimPreset:
+    """A model on a device: its step times, KV geometry and the engine budgets that fit it."""
+
+    name: str
+    description: str
+    step: StepTimeModel
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str  # what the KV cache is stored in on that device
+    max_model_len: int
+    kv_cache_memory_gib: float  # KV memory of the simulated device (weights and activations taken out)
+    mean_answer_tokens: int  # answers end with EOS after a deterministic length around this
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (2 if "16" in self.kv_dtype else 4)
+
+
+PRESETS: Dict[str, SimPreset] = {
+    # Llama-3.1-8B-Instruct, bf16, one H100 SXM 80GB, vLLM-like engine. Derived from published
+    # figures by roofline, the way decode-bound serving behaves:
+    # - NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16.
+    # - Llama 3.1 8B model card / config.json: 8.03e9 parameters (16.1 GB in bf16), 32 layers,
+    #   8 KV heads of dim 128 -> 128 KiB of KV per token, 128k context (8k here, a common serving cap).
+    # fixed: reading the weights once per step, 16.1 GB / 3.35 TB/s = 4.8 ms, + ~1.2 ms of launch and
+    #   scheduling overhead = 6 ms (vLLM reports ~6-7 ms TPOT at batch 1 for 8B on H100: vLLM v0.6.0
+    #   blog, Sept 2024; Lambda's vLLM H100 benchmarks).
+    # prefill: 2 x 8.03e9 FLOP per token at ~50% of 989 TFLOP/s = 32 us per token (~31k tok/s).
+    # context: 128 KiB per token / 3.35 TB/s = 39 ns per token of context per step.
+    # decode_seq: ~40 us per sequence per step (sampling, detokenizing, scheduler bookkeeping).
+    # KV memory: 80 GB x 0.9 (vLLM's gpu_memory_utilization) - 16.1 GB weights - ~2 GB activations
+    #   = ~54 GiB -> ~440k tokens.
+    "h100-llama3-8b": SimPreset(
+        name="h100-llama3-8b",
+        description="Llama-3.1-8B bf16 on one H100 SXM (roofline from published specs)",
+        step=StepTimeModel(fixed_s=6.0e-3, prefill_token_s=32e-6, decode_seq_s=40e-6, context_token_s=39e-9),
+        num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
+        kv_cache_memory_gib=54.0, mean_answer_tokens=256,
+    ),
+    # SmolLM2-135M-Instruct, fp32, this project's engine on 2 CPU cores (2 torch threads), fitted by
+    # least squares to step times of the real engine measured here with
+    # `python -m load_tests.calibrate_sim` (2026-11-22): decode batches of 1-64 at contexts 64-512
+    # and prefill chunks of 16-512 tokens. The KV geometry is SmolLM2's (30 layers, 3 KV heads of 64).
+    "cpu-smollm2": SimPreset(
+        name="cpu-smollm2",
+        description="SmolLM2-135M fp32 on 2 CPU cores (fitted to this engine's measured steps)",
+        step=StepTimeModel(fixed_s=40e-3, prefill_token_s=2.6e-3, decode_seq_s=2.8e-3, context_token_s=2.0e-6),
+        num_layers=30, num_kv_heads=3, head_dim=64, kv_dtype="float32", max_model_len=2048,
+        kv_cache_memory_gib=1.0, mean_answer_tokens=64,
+    ),
+}
+
+
+def is_simulated(model: str) -> bool:
+    return model.startswith(SIM_PREFIX)
+
+
+def preset_for(model: str) -> SimPreset:
+    """'sim:<preset>' -> its preset; a clear error naming the known presets otherwise."""
+    name = model[len(SIM_PREFIX):]
+    if name not in PRESETS:
+        raise ValueError(f"unknown simulation preset {name!r} in model {model!r}; "
+                         f"known: {', '.join('sim:' + p for p in PRESETS)}")
+    return PRESETS[name]
+
+
+class SimulatedModelConfig:
+    """What the engine reads from a HF model config, for a simulated model."""
+
+    def __init__(self, preset: SimPreset, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.max_position_embeddings = preset.max_model_len
+        self.num_hidden_layers = preset.num_layers
+        self.num_key_value_heads = preset.num_kv_heads
+        self.num_attention_heads = preset.num_kv_heads
+        self.head_dim = preset.head_dim
+        self.hidden_size = preset.num_kv_heads * preset.head_dim
+
+
+def step_features(scheduled) -> Tuple[int, int, int]:
+    """(prefill tokens, decoding sequences, context tokens) of a step (a list of ScheduledSeq)."""
+    prefill = decode = context = 0
+    for s in scheduled:
+        seq = s.seq
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            decode += 1
+        else:
+            prefill += s.num_new_tokens
+        context += seq.num_computed_tokens + s.num_new_tokens
+    return prefill, decode, context
+
+
+class SimulatedRunner:
+    """Stands in for ModelRunner: waits the modelled step time, then returns the next token of each
+    sampling sequence (the "logits" SimulatedSampler reads)."""
+
+    def __init__(self, preset: SimPreset, answer_ids: List[int], eos_token_id: int):
+        self.preset = preset
+        self.answer_ids = answer_ids
+        self.eos_token_id = eos_token_id
+        self.simulated_seconds = 0.0
+        self._last_return = 0.0
+
+    def execute(self, scheduled) -> List[int]:
+        seconds = self.preset.step.step_seconds(*step_features(scheduled))
+        self.simulated_seconds += seconds
+        # The engine's own bookkeeping since the previous step (scheduling, detokenizing) is part of
+        # a real step's time too: sleep only for the rest, so the modelled rate holds.
+        busy = time.monotonic() - self._last_return
+        time.sleep(seconds - busy if busy < seconds else seconds)  # a sleeping thread uses no core
+        self._last_return = time.monotonic()
+        return [self.next_token(s.seq) for s in scheduled if s.samples]
+
+    def next_token(self, seq) -> int:
+        """The answer text cycled; EOS after a length fixed by the prompt (unless ignore_eos)."""
+        k = seq.num_output_tokens
+        if not seq.params.ignore_eos and k + 1 >= self.answer_length(seq.prompt_token_ids):
+            return self.eos_token_id
+        return self.answer_ids[k % len(self.answer_ids)]
+
+    def answer_length(self, prompt_token_ids: List[int]) -> int:
+        mean = self.preset.mean_answer_tokens
+        crc = zlib.crc32(bytes(str(prompt_token_ids), "ascii"))  # the same in every process
+        return mean // 2 + crc % (mean + 1)
+
+
+class SimulatedSampler:
+    """Stands in for Sampler: the runner already chose the tokens. Logprobs are not simulated: the
+    chosen token gets 0.0 and no alternatives."""
+
+    def sample(self, tokens: List[int], request_ids: List[str],
+               params: List[SamplingParams]) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
+        return tokens, [TokenLogprob(t, 0.0) if p.logprobs is not None else None for t, p in zip(tokens, params)]
+
+    def forget(self, request_id: str) -> None:
+        pass
