@@ -15,7 +15,7 @@ from batcher.block_manager import BlockManager
 from batcher.config import EngineConfig
 from batcher.detokenizer import IncrementalDetokenizer
 from batcher.errors import InvalidRequestError, RequestTooLongError
-from batcher.model_loader import EMBEDDED_MODEL, load_model, load_tokenizer, resolve_device, resolve_dtype
+from batcher.model_loader import load_model, load_tokenizer, resolve_device, resolve_dtype
 from batcher.model_runner import ModelRunner
 from batcher.outputs import Completion, EngineStats, StreamDelta, TokenLogprob, completion_from_deltas
 from batcher.paged_attention import KVCache
@@ -48,7 +48,7 @@ class LLMEngine:
         self.device = resolve_device("cpu" if self.simulation else config.device)
         if self.simulation:
             self.dtype = getattr(torch, self.simulation.kv_dtype)
-            self.tokenizer = load_tokenizer(EMBEDDED_MODEL)
+            self.tokenizer = load_tokenizer(config.model)
             mcfg = simulated.SimulatedModelConfig(self.simulation, len(self.tokenizer))
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         else:
@@ -243,6 +243,7 @@ class LLMEngine:
         s.queued_prefill_tokens = sum(q.num_tokens - q.num_computed_tokens for q in self.scheduler.waiting) + sum(
             q.num_prompt_tokens - q.num_computed_tokens for q in self.scheduler.running
             if q.num_computed_tokens < q.num_prompt_tokens)
+        s.context_tokens = sum(q.num_tokens for q in self.scheduler.running)
         s.simulation = self.simulation.name if self.simulation else ""
         return s
 

@@ -96,7 +96,7 @@ def tiny_llama(seed: int = 0):
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    if name in (EMBEDDED_MODEL, TINY_MODEL):
+    if name in (EMBEDDED_MODEL, TINY_MODEL) or name.startswith("sim:"):  # simulations speak SmolLM2's tokens
         return AutoTokenizer.from_pretrained(str(embedded_model_dir()))
     return AutoTokenizer.from_pretrained(name)
 

@@ -60,6 +60,7 @@ class EngineStats:
     seconds_since_last_step: float = 0.0
     loop_alive: bool = True
     queued_prefill_tokens: int = 0  # prompt tokens waiting or running that are not computed yet
+    context_tokens: int = 0  # tokens held by running sequences (what their decode steps attend to)
     simulation: str = ""  # the step-time preset of a simulated replica ("" for a real model)
 
     @property

@@ -11,9 +11,12 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 from ray.serve.config import RequestRouterConfig
 
+from batcher.config import EngineConfig
+from batcher.simulated import is_simulated, preset_for
 from deployments.config import AppConfig
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
+from router import LLMRouter, LLMRouterConfig
 
 
 class ConfigError(ValueError):
@@ -50,8 +53,7 @@ def llm_deployment_options(cfg: AppConfig) -> dict:
         "max_queued_requests": r.max_queued_requests,
         "health_check_period_s": r.health_check_period_s,
         "health_check_timeout_s": r.health_check_timeout_s,
-        # Serve validates the router class (it imports it) and autoscaling bounds here, at deploy.
-        "request_router_config": _check(lambda: RequestRouterConfig(**cfg.router.to_serve()), "args.router.request_router_class"),
+        "request_router_config": request_router_config(cfg),
     }
     if cfg.autoscaling is not None:
         auto = cfg.autoscaling.to_serve()
@@ -60,6 +62,27 @@ def llm_deployment_options(cfg: AppConfig) -> dict:
     else:
         options["num_replicas"] = r.num_replicas
     return options
+
+
+def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
+    """Serve's router config; Serve validates the class (it imports it) here, at deploy. LLMRouter's
+    kwargs are validated too, and given the engine's shape so it hashes blocks as replicas cache them."""
+    router = _check(lambda: RequestRouterConfig(**cfg.router.to_serve()), "args.router.request_router_class")
+    if cfg.router.request_router_class and issubclass(router.get_request_router_class(), LLMRouter):
+        e = cfg.engine
+        kwargs = {"cost_model": default_cost_model(e), **cfg.router.request_router_kwargs,
+                  "block_size": e.block_size, "max_num_batched_tokens": e.max_num_batched_tokens,
+                  "max_num_seqs": e.max_num_seqs}
+        kwargs = _check(lambda: LLMRouterConfig.model_validate(kwargs), "args.router.request_router_kwargs")
+        router.request_router_kwargs = kwargs.model_dump()
+    return router
+
+
+def default_cost_model(engine: EngineConfig) -> str:
+    """A simulated replica's own step times; else this machine's CPU figures or an H100's."""
+    if is_simulated(engine.model):
+        return preset_for(engine.model).name
+    return "h100-llama3-8b" if engine.device.startswith("cuda") else "cpu-smollm2"
 
 
 def build_app(args: dict) -> Application:
@@ -73,4 +96,4 @@ def build_app(args: dict) -> Application:
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
         ray_actor_options={"num_cpus": ing.num_cpus},
     )
-    return ingress.bind(llm, cfg.model_name, ing.overload_status_code, ing.retry_after_s)
+    return ingress.bind(llm, cfg.model_name, cfg.engine.model, ing.overload_status_code, ing.retry_after_s)

@@ -8,7 +8,7 @@ to other Ray jobs (`serve.get_app_handle(app_name)`).
 import asyncio
 import json
 import time
-from typing import AsyncIterator, Union
+from typing import AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +24,9 @@ from deployments.openai_protocol import (ChatChoice, ChatChunkChoice, ChatComple
                                          ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatMessageOut,
                                          Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                          ModelCard, ModelList, Usage, new_id)
-from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+from deployments.prompts import prepare
+from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo
+from router import feedback
 
 api = FastAPI(title="iterserve", description="OpenAI-compatible LLM serving on Ray Serve")
 
@@ -63,31 +65,40 @@ def _sse(obj) -> str:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, llm: DeploymentHandle, model_name: str, overload_status_code: int = 429,
+    def __init__(self, llm: DeploymentHandle, model_name: str, engine_model: str, overload_status_code: int = 429,
                  retry_after_s: int = 1):
+        from batcher.model_loader import load_tokenizer
+
+        # Chat template and tokenization happen here, once per request (see deployments/prompts.py).
+        self.tokenizer = load_tokenizer(engine_model)
         self.llm = llm
         self.llm_stream = llm.options(stream=True)
         self.model_name = model_name
         self.overload = (overload_status_code, retry_after_s)
-        self._max_model_len = None
+        self._info: Optional[ModelInfo] = None
 
     # ---- typed Python API (other Ray jobs) -------------------------------------------------------
 
     async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
+        request = prepare(self.tokenizer, request)
         response = self.llm.generate.remote(request)
         try:
-            return await response
+            out = await response
         except asyncio.CancelledError:
             _cancel(response)
             raise
         except Exception as e:
             raise self._api_error(e) from None
+        feedback.record_answer(request.request_id, request.prompt_token_ids, out.token_ids)
+        return out
 
     async def stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
+        request = prepare(self.tokenizer, request)
         gen = self.llm_stream.stream.remote(request)
-        finished = False
+        finished, output = False, []
         try:
             async for chunk in gen:
+                output += chunk.token_ids
                 yield chunk
             finished = True
         except Exception as e:
@@ -95,6 +106,7 @@ class OpenAIIngress:
         finally:
             if not finished:
                 _cancel(gen)  # the caller went away (or it failed): abort the engine request
+        feedback.record_answer(request.request_id, request.prompt_token_ids, output)
 
     # ---- HTTP ------------------------------------------------------------------------------------
 
@@ -108,7 +120,9 @@ class OpenAIIngress:
 
     @api.get("/v1/models")
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=await self._model_len())])
+        info = await self._model_info()
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=info.max_model_len,
+                                         simulation=info.simulation)])
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -121,7 +135,7 @@ class OpenAIIngress:
             id=rid, created=created, model=self.model_name,
             choices=[ChatChoice(message=ChatMessageOut(content=out.text), finish_reason=out.finish_reason,
                                 logprobs=ChatLogprobs.of(out.logprobs) if out.logprobs is not None else None)],
-            usage=Usage.of(out.prompt_tokens, out.completion_tokens),
+            usage=Usage.of(out),
         )
 
     @api.post("/v1/completions")
@@ -136,7 +150,7 @@ class OpenAIIngress:
             choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
                                       logprobs=CompletionLogprobs.of(out.logprobs) if out.logprobs is not None
                                       else None)],
-            usage=Usage.of(out.prompt_tokens, out.completion_tokens),
+            usage=Usage.of(out),
         )
 
     # ---- helpers ---------------------------------------------------------------------------------
@@ -145,9 +159,10 @@ class OpenAIIngress:
         if body.model is not None and body.model != self.model_name:
             raise model_not_found(body.model, self.model_name)
         try:
-            return body.to_generate(rid)
+            request = body.to_generate(rid)
         except ValueError as e:  # pydantic.ValidationError is a ValueError
             raise engine_error(e) from None
+        return prepare(self.tokenizer, request)
 
     async def _stream_response(self, request: GenerateRequest, events) -> StreamingResponse:
         """Waits for the first chunk before answering, so errors keep their status code."""
@@ -159,18 +174,20 @@ class OpenAIIngress:
             raise
         except Exception as e:
             raise self._api_error(e) from None
-        return StreamingResponse(self._relay(gen, first, events), media_type="text/event-stream",
+        return StreamingResponse(self._relay(request, gen, first, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    async def _relay(self, gen, first: GenerateChunk, events) -> AsyncIterator[str]:
+    async def _relay(self, request: GenerateRequest, gen, first: GenerateChunk, events) -> AsyncIterator[str]:
         """Chunks -> SSE text. A client disconnect cancels this generator, which cancels `gen`
         (the replica then aborts the request and frees its KV blocks)."""
-        finished = False
+        finished, output = False, list(first.token_ids)
         try:
             yield events(first, True)
             async for chunk in gen:
+                output += chunk.token_ids
                 yield events(chunk, False)
             finished = True
+            feedback.record_answer(request.request_id, request.prompt_token_ids, output)
             yield "data: [DONE]\n\n"
         except Exception as e:  # mid-stream failure: the status is already sent; report in-band
             err = self._api_error(e)
@@ -190,7 +207,7 @@ class OpenAIIngress:
                 out += _sse(make([ChatChunkChoice(delta=ChatDelta(content=chunk.text), logprobs=lps,
                                                   finish_reason=chunk.finish_reason)]))
             if chunk.finish_reason and body.include_usage:
-                out += _sse(make([], Usage.of(chunk.prompt_tokens, chunk.completion_tokens)))
+                out += _sse(make([], Usage.of(chunk)))
             return out
         return events
 
@@ -206,19 +223,16 @@ class OpenAIIngress:
                                                             finish_reason=chunk.finish_reason)]))
             if chunk.finish_reason and body.include_usage:
                 out += _sse(Completion(id=rid, created=created, model=self.model_name, choices=[],
-                                       usage=Usage.of(chunk.prompt_tokens, chunk.completion_tokens)))
+                                       usage=Usage.of(chunk)))
             return out
         return events
 
-    async def _fetch_model_info(self):
-        info = await self.llm.model_info.remote()
-        self._max_model_len = info.max_model_len
-        return info
+    async def _fetch_model_info(self) -> ModelInfo:
+        self._info = await self.llm.model_info.remote()
+        return self._info
 
-    async def _model_len(self) -> int:
-        if self._max_model_len is None:
-            await self._fetch_model_info()
-        return self._max_model_len
+    async def _model_info(self) -> ModelInfo:
+        return self._info or await self._fetch_model_info()
 
     def _api_error(self, e: Exception) -> APIError:
         """Whatever a handle call raised -> the error the client sees."""

@@ -6,7 +6,8 @@ fails its health check when the engine loop is dead or stuck, so Serve replaces 
 from __future__ import annotations
 
 import functools
-import uuid
+import logging
+import time
 from typing import AsyncIterator, Dict, List, Optional, Union
 
 import pydantic
@@ -15,7 +16,8 @@ from ray import serve
 from batcher.outputs import merge_deltas
 from deployments.coalesce import coalesce
 from deployments.config import StreamConfig
-from deployments.errors import APIError, engine_error
+from deployments.errors import engine_error
+from deployments.prompts import prepare
 from deployments.protocol import (GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, TokenLogprob,
                                   TopLogprob)
 
@@ -33,6 +35,11 @@ class LLMServer:
         self.interval_s, self.chunk_budget = stream.interval_ms / 1000.0, stream.max_chunks_per_s
         self.open_streams = 0
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.simulation = None
+        if self.engine.engine.simulation:
+            preset = self.engine.engine.simulation
+            self.simulation = f"simulated replica ({preset.name}: {preset.description}); not a real model"
+            logging.getLogger("ray.serve").warning("SIMULATION: %s", self.simulation)
         # The longest prompt + max_tokens the engine admits (context window or KV capacity).
         self.max_request_tokens = self.engine.max_request_tokens
         self._token_text: Dict[int, str] = {}
@@ -64,10 +71,11 @@ class LLMServer:
             request_id=out.request_id, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
             logprobs=self._logprobs(out.logprobs) if out.logprobs is not None else None,
             prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+            cached_tokens=out.num_cached_tokens,
         )
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(model_name=self.model_name, max_model_len=self.max_request_tokens)
+        return ModelInfo(model_name=self.model_name, max_model_len=self.max_request_tokens, simulation=self.simulation)
 
     def stats(self) -> dict:
         """Engine counters of this replica (tests and operators: KV blocks, aborts, ...)."""
@@ -76,10 +84,12 @@ class LLMServer:
     # ---- Serve hooks ---------------------------------------------------------------------------
 
     def record_routing_stats(self) -> Dict[str, float]:
-        """Polled by the controller; request routers read it as RunningReplica.routing_stats."""
+        """Polled by the controller; request routers read it as RunningReplica.routing_stats.
+        `time_s` stamps it, so a router can tell a stale report from an idle replica."""
         s = self.engine.stats()
-        return {"waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
+        return {"time_s": time.time(), "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
                 "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
+                "queued_prefill_tokens": s.queued_prefill_tokens, "context_tokens": s.context_tokens,
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate}
 
     def record_autoscaling_stats(self) -> Dict[str, float]:
@@ -99,28 +109,17 @@ class LLMServer:
     # ---- helpers -------------------------------------------------------------------------------
 
     def _prepare(self, request):
-        """Validates the request, applies the chat template, resolves max_tokens=None."""
+        """Validates the request and resolves max_tokens=None; the prompt ids come from the ingress
+        (prepared here only for callers that reach this deployment directly)."""
+        request = prepare(self.tokenizer, request)
+        prompt = request.prompt_token_ids
+        max_tokens = request.max_tokens
+        if max_tokens is None:  # OpenAI chat default: whatever room the context window leaves
+            max_tokens = max(1, self.max_request_tokens - len(prompt))
         try:
-            if not isinstance(request, GenerateRequest):
-                request = GenerateRequest.model_validate(request)
-            if request.request_id is None:
-                request = request.model_copy(update={"request_id": uuid.uuid4().hex})
-            if request.messages is not None:
-                messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-                prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            else:
-                prompt = request.prompt
-            max_tokens = request.max_tokens
-            if max_tokens is None:  # OpenAI chat default: whatever room the context window leaves
-                n = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
-                max_tokens = max(1, self.max_request_tokens - n)
             return request, prompt, request.sampling_params(max_tokens)
         except pydantic.ValidationError as e:
             raise engine_error(e) from None
-        except APIError:
-            raise
-        except Exception as e:  # e.g. a chat template that refuses the message roles
-            raise APIError(400, f"invalid request: {e}") from None
 
     def _chunk_interval(self) -> float:
         """Seconds a stream holds deltas before sending a chunk: the configured window, stretched
@@ -139,6 +138,7 @@ class LLMServer:
             request_id=d.request_id, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
             logprobs=self._logprobs(d.logprobs) if d.logprobs else None,
             prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated_tokens,
+            cached_tokens=d.num_cached_tokens,
         )
 
     def _text_of(self, token_id: int) -> str:

@@ -107,14 +107,22 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails  # as OpenAI reports what its prompt cache saved
 
     @classmethod
-    def of(cls, prompt: int, completion: int) -> "Usage":
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def of(cls, out) -> "Usage":
+        """From a GenerateResponse, or the last GenerateChunk of a stream."""
+        return cls(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                   total_tokens=out.prompt_tokens + out.completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens))
 
 
 class ChatTopLogprob(BaseModel):
@@ -221,6 +229,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "iterserve"
     max_model_len: Optional[int] = None
+    simulation: Optional[str] = None  # present only on simulated replicas: never a real model
 
 
 class ModelList(BaseModel):

@@ -40,6 +40,9 @@ class GenerateRequest(SamplingParams):
     messages: Optional[List[ChatMessage]] = None
     max_tokens: Optional[int] = Field(None, ge=1, description="None: fill the rest of the context.")
     request_id: Optional[str] = None
+    prompt_token_ids: Optional[List[int]] = Field(
+        None, description="Set by the ingress: the prompt (chat template applied) as token ids, computed "
+        "once; the replica and the request router use it. Callers leave it unset.")
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
@@ -75,6 +78,7 @@ class _GenerateOutput(BaseModel):
     logprobs: Optional[List[TokenLogprob]] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the replica's prefix cache supplied
 
 
 class GenerateChunk(_GenerateOutput):
@@ -90,3 +94,4 @@ class ModelInfo(BaseModel):
 
     model_name: str
     max_model_len: int
+    simulation: Optional[str] = None  # set on simulated replicas: what they simulate

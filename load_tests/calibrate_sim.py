@@ -43,10 +43,11 @@ def record_steps(engine: LLMEngine, batches: Sequence[int], prompt_lens: Sequenc
 
 
 def fit(samples: List[Sample]) -> Tuple[List[float], float]:
-    """Least-squares coefficients (fixed, prefill, decode, context) and the mean relative error."""
+    """Coefficients (fixed, prefill, decode, context) minimising the squared relative error (so
+    short decode steps weigh as much as long prefills), and the mean relative error."""
     x = torch.tensor([[1.0, p, d, c] for p, d, c, _ in samples], dtype=torch.float64)
     y = torch.tensor([s for *_, s in samples], dtype=torch.float64)
-    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1)
+    coef = torch.linalg.lstsq(x / y.unsqueeze(1), torch.ones_like(y).unsqueeze(1)).solution.squeeze(1)
     error = ((x @ coef - y).abs() / y).mean().item()
     return coef.tolist(), error
 

@@ -1,0 +1,37 @@
+"""LLMRouter's settings (`router.request_router_kwargs` in serve_config.yaml), validated at deploy."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from batcher.simulated import PRESETS
+
+
+class LLMRouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cost_model: Optional[str] = Field(
+        None, description="Step-time preset (batcher.simulated.PRESETS) that turns tokens into seconds; "
+        "default: the simulated replica's own preset, else cpu-smollm2 on CPU and h100-llama3-8b on GPU.")
+    max_blocks_per_replica: int = Field(
+        200_000, ge=1, description="Bound of the prefix index per replica (also capped at the replica's KV blocks).")
+    max_stats_age_s: float = Field(
+        5.0, gt=0, description="Replica reports older than this count as unknown (assumed as loaded as the "
+        "fleet's average), never as idle.")
+    default_output_tokens: int = Field(
+        128, ge=1, description="Expected answer length until answers have been seen (capped by max_tokens).")
+    max_tracked_requests: int = Field(
+        100_000, ge=1, description="Bound of the per-request bookkeeping (routed, awaiting answers).")
+    # The engine's shape: build_app fills these from `engine`, so the router hashes blocks exactly as
+    # the replicas cache them.
+    block_size: int = Field(8, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+
+    @field_validator("cost_model")
+    @classmethod
+    def _known_preset(cls, name: Optional[str]) -> Optional[str]:
+        if name is not None and name not in PRESETS:
+            raise ValueError(f"unknown cost_model {name!r}; known: {', '.join(PRESETS)}")
+        return name

@@ -1,0 +1,73 @@
+"""Which KV blocks each replica probably holds: a bounded, per-replica LRU of prefix block hashes.
+
+Hashes are the engine's own (batcher.block_manager.cacheable_block_hashes over the same token ids),
+so a match here is a match in the replica's prefix cache, as far as the router can know. A block
+hash chains its whole prefix, so a replica holding block i held blocks 0..i-1 when they were
+inserted; inserting deepest-first keeps the root most recent, so LRU eviction trims chains from the
+tail and the prefix property holds, which lets a match be a binary search per replica.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Hashable, Iterable, List, Optional, Sequence
+
+
+class PrefixIndex:
+    def __init__(self, max_blocks_per_replica: int):
+        if max_blocks_per_replica < 1:
+            raise ValueError("max_blocks_per_replica must be >= 1")
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self._blocks: Dict[Hashable, "OrderedDict[int, None]"] = {}
+        self._capacity: Dict[Hashable, int] = {}
+
+    def set_capacity(self, replica: Hashable, kv_blocks: Optional[int]) -> None:
+        """A replica cannot cache more blocks than its KV cache has: the index keeps no more either."""
+        cap = min(self.max_blocks_per_replica, kv_blocks) if kv_blocks else self.max_blocks_per_replica
+        if self._capacity.get(replica) != cap:
+            self._capacity[replica] = cap
+            self._evict(replica)
+
+    def insert(self, replica: Hashable, hashes: Sequence[int]) -> None:
+        """Marks the chain `hashes` (root first) as cached on `replica`, most recently used."""
+        blocks = self._blocks.setdefault(replica, OrderedDict())
+        for h in reversed(hashes):  # the root ends up most recent: evicted last
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        self._evict(replica)
+
+    def matched_blocks(self, replica: Hashable, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` the replica holds."""
+        blocks = self._blocks.get(replica)
+        if not blocks or not hashes:
+            return 0
+        if hashes[-1] in blocks:  # the whole chain: the common case for a follow-up turn
+            return len(hashes)
+        lo, hi = 0, len(hashes) - 1  # answer in [lo, hi]: hashes[lo-1] held, hashes[hi] not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hashes[mid] in blocks:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def remove_replicas(self, replicas: Iterable[Hashable]) -> None:
+        for r in replicas:
+            self._blocks.pop(r, None)
+            self._capacity.pop(r, None)
+
+    def replicas(self) -> List[Hashable]:
+        return list(self._blocks)
+
+    def num_blocks(self, replica: Hashable) -> int:
+        return len(self._blocks.get(replica, ()))
+
+    def _evict(self, replica: Hashable) -> None:
+        blocks = self._blocks.get(replica)
+        if blocks is None:
+            return
+        cap = self._capacity.get(replica, self.max_blocks_per_replica)
+        while len(blocks) > cap:
+            blocks.popitem(last=False)

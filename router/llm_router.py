@@ -1,0 +1,148 @@
+"""LLMRouter: a Ray Serve RequestRouter that sends each request where it will finish soonest.
+
+It runs inside every caller of the LLM deployment (the ingress, so HTTP traffic and Python handle
+callers alike). Per request it hashes the prompt's blocks exactly as the engine does (the ingress
+has applied the chat template and tokenized: `GenerateRequest.prompt_token_ids`), looks up how much
+of it each replica caches (router.index), estimates each replica's load from its last report plus
+what this router sent since (router.scoring), and ranks replicas by expected seconds. No remote call
+is made per request: reports arrive through Serve's routing stats, everything else is local.
+
+    request_router_class: router:LLMRouter   (serve_config.yaml, under args.router)
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from batcher.block_manager import cacheable_block_hashes
+from batcher.simulated import PRESETS
+from router import feedback
+from router.config import LLMRouterConfig
+from router.index import PrefixIndex
+from router.scoring import (EngineShape, Request, Routed, Report, Score, estimate_load, fill_unknown,
+                            own_load, score_replicas)
+
+_TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
+
+
+@dataclass
+class _Prepared:
+    request_id: Optional[str]
+    hashes: List[int]
+    request: Request
+
+
+class LLMRouter(RequestRouter):
+    def initialize_state(self, **kwargs) -> None:
+        cfg = LLMRouterConfig.model_validate(kwargs)
+        self.config = cfg
+        self.step_model = PRESETS[cfg.cost_model or "cpu-smollm2"].step
+        self.shape = EngineShape(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.index = PrefixIndex(cfg.max_blocks_per_replica)
+        self._prepared: "OrderedDict[str, _Prepared]" = OrderedDict()  # by Serve's internal request id
+        self._inflight: Dict[ReplicaID, Dict[str, Routed]] = {}
+        self._awaiting_answer: "OrderedDict[str, ReplicaID]" = OrderedDict()  # our request id -> replica
+        self._mean_output_tokens: Optional[float] = None
+        feedback.register(self)
+
+    # ---- the decision ------------------------------------------------------------------------------
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is None:  # Serve asks without a request when it only wants any replica
+            return [candidate_replicas]
+        scores = self.score(candidate_replicas, self._prepare(pending_request))
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        ranked = [by_id[s.replica] for s in scores]
+        return [[r] for r in ranked[:_TOP_RANKS]] + ([ranked[_TOP_RANKS:]] if len(ranked) > _TOP_RANKS else [])
+
+    def score(self, candidates: Sequence[RunningReplica], prepared: _Prepared,
+              now: Optional[float] = None) -> List[Score]:
+        now = time.time() if now is None else now
+        cfg, bs = self.config, self.shape.block_size
+        loads, own, cached = {}, {}, {}
+        for r in candidates:
+            rid = r.replica_id
+            report = Report.parse(r.routing_stats)
+            if report is not None:
+                self.index.set_capacity(rid, report.kv_blocks_total)
+            inflight = list(self._inflight.get(rid, {}).values())
+            loads[rid] = estimate_load(report, inflight, now, cfg.max_stats_age_s, bs)
+            if loads[rid] is None:
+                own[rid] = own_load(inflight, now, cfg.max_stats_age_s)
+            # Never the prompt's last token: the engine always computes it.
+            cached[rid] = min(self.index.matched_blocks(rid, prepared.hashes) * bs, prepared.request.prompt_tokens - 1)
+        return score_replicas(self.step_model, self.shape, fill_unknown(loads, own), cached, prepared.request)
+
+    def _prepare(self, pending_request: PendingRequest) -> _Prepared:
+        """Hashes the request once, however often Serve asks to route it (it retries under backoff)."""
+        key = pending_request.metadata.internal_request_id
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            prepared = self._prepared[key] = self.prepare(next(iter(pending_request.args), None))
+            self._bound(self._prepared)
+        return prepared
+
+    def prepare(self, request) -> _Prepared:
+        """What the decision needs from a GenerateRequest (anything else: no prefix, default length)."""
+        ids = getattr(request, "prompt_token_ids", None) or []
+        expected = self._mean_output_tokens or self.config.default_output_tokens
+        max_tokens = getattr(request, "max_tokens", None)
+        out = min(max_tokens, expected) if max_tokens else expected
+        return _Prepared(getattr(request, "request_id", None), cacheable_block_hashes(ids, self.shape.block_size),
+                         Request(prompt_tokens=max(1, len(ids)), output_tokens=max(1, round(out))))
+
+    # ---- Serve's lifecycle hooks -------------------------------------------------------------------
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        key = pending_request.metadata.internal_request_id
+        prepared = self._prepared.pop(key, None)
+        if prepared is None:
+            return
+        cached = min(self.index.matched_blocks(replica_id, prepared.hashes) * self.shape.block_size,
+                     prepared.request.prompt_tokens - 1)
+        self._inflight.setdefault(replica_id, {})[key] = Routed(
+            time.time(), prepared.request.prompt_tokens, prepared.request.prompt_tokens - cached)
+        # The replica computes these blocks now: the next request sharing them should follow.
+        self.index.insert(replica_id, prepared.hashes)
+        if prepared.request_id:
+            self._awaiting_answer[prepared.request_id] = replica_id
+            self._bound(self._awaiting_answer)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._inflight.get(replica_id, {}).pop(internal_request_id, None)
+
+    def record_answer(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
+        """A finished answer: its blocks stay cached on the replica that computed it, and its length
+        feeds the decode estimate of requests whose max_tokens is not binding."""
+        replica_id = self._awaiting_answer.pop(request_id, None)
+        if replica_id is None:
+            return
+        m, n = self._mean_output_tokens, len(output_token_ids)
+        self._mean_output_tokens = n if m is None else 0.95 * m + 0.05 * n
+        if replica_id in self._replicas:
+            tokens = list(prompt_token_ids) + list(output_token_ids)
+            self.index.insert(replica_id, cacheable_block_hashes(tokens, self.shape.block_size))
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        gone = set(self._inflight) | set(self.index.replicas())
+        gone -= set(self._replica_id_set)
+        self.index.remove_replicas(gone)
+        for rid in gone:
+            self._inflight.pop(rid, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.index.remove_replicas([replica_id])
+        self._inflight.pop(replica_id, None)
+
+    def _bound(self, table: OrderedDict) -> None:
+        while len(table) > self.config.max_tracked_requests:
+            table.popitem(last=False)

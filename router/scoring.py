@@ -1,0 +1,155 @@
+"""One score per replica, in seconds: how long this request would take there.
+
+    prefill ahead of it (what the replica reported queued + what this router sent since)
+  + its own prompt minus what that replica already caches,
+    at the prefill rate the replica's decode batch leaves (decode-first scheduling)
+  + its decode, at the batch and context it joins (the decode load already there)
+
+Step times come from a `StepTimeModel` (batcher.simulated: the same model simulated replicas run
+on), so the three terms are in one unit and comparable. There is no fleet-wide gate between
+"affinity" and "load": a hot prefix stops pinning its holder as soon as the holder's queue costs
+more than recomputing the prefix elsewhere, and the prefix then spreads on its own.
+Pure functions over plain data classes: unit-tested without Ray.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Optional, Sequence
+
+from batcher.simulated import StepTimeModel
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The replicas' engine budgets (every replica of a deployment runs the same EngineConfig)."""
+
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a replica last reported (LLMServer.record_routing_stats), timestamped by the replica."""
+
+    time_s: float
+    waiting: int
+    running: int
+    queued_prefill_tokens: int
+    context_tokens: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+
+    @classmethod
+    def parse(cls, stats: Optional[dict]) -> Optional["Report"]:
+        if not stats or "time_s" not in stats:
+            return None
+        return cls(**{f: stats.get(f, 0) for f in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One request this router sent to a replica and has not seen complete."""
+
+    routed_at: float
+    prompt_tokens: int
+    uncached_tokens: int
+
+
+@dataclass(frozen=True)
+class Load:
+    queued_prefill_tokens: float
+    batch: float  # sequences running or about to join the batch
+    context_tokens: float
+    kv_blocks_free: Optional[float]  # None: unknown
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_tokens: int
+    output_tokens: int  # expected decode length
+
+
+def estimate_load(report: Optional[Report], inflight: Sequence[Routed], now: float, max_age_s: float,
+                  block_size: int) -> Optional[Load]:
+    """The replica's report plus what this router sent after it; None when the report is missing or
+    older than `max_age_s` (unknown, which is not the same as idle)."""
+    if report is None or now - report.time_s > max_age_s:
+        return None
+    after = [r for r in inflight if r.routed_at > report.time_s]
+    return Load(
+        queued_prefill_tokens=report.queued_prefill_tokens + sum(r.uncached_tokens for r in after),
+        batch=report.running + report.waiting + len(after),
+        context_tokens=report.context_tokens + sum(r.prompt_tokens for r in after),
+        kv_blocks_free=report.kv_blocks_free - sum(-(-r.uncached_tokens // block_size) for r in after),
+    )
+
+
+def own_load(inflight: Sequence[Routed], now: float, max_age_s: float) -> Load:
+    """What this router alone knows of a replica: its own in-flight requests."""
+    return Load(
+        queued_prefill_tokens=sum(r.uncached_tokens for r in inflight if now - r.routed_at <= max_age_s),
+        batch=len(inflight), context_tokens=sum(r.prompt_tokens for r in inflight), kv_blocks_free=None,
+    )
+
+
+def fill_unknown(loads: Dict[Hashable, Optional[Load]], own: Dict[Hashable, Load]) -> Dict[Hashable, Load]:
+    """A replica without a fresh report is assumed at least as loaded as the fleet's average known
+    replica (and as what this router itself sent it), never idle."""
+    known = [v for v in loads.values() if v is not None]
+    n = len(known)
+    mean = Load(sum(v.queued_prefill_tokens for v in known) / n, sum(v.batch for v in known) / n,
+                sum(v.context_tokens for v in known) / n, None) if n else Load(0, 0, 0, None)
+    out = {}
+    for r, v in loads.items():
+        if v is None:
+            mine = own[r]
+            v = Load(max(mine.queued_prefill_tokens, mean.queued_prefill_tokens), max(mine.batch, mean.batch),
+                     max(mine.context_tokens, mean.context_tokens), None)
+        out[r] = v
+    return out
+
+
+def expected_seconds(step: StepTimeModel, shape: EngineShape, load: Load, uncached_tokens: int,
+                     request: Request) -> float:
+    """Expected time to the request's last token on a replica with `load`."""
+    batch = load.batch
+    prefill_per_step = max(1.0, shape.max_num_batched_tokens - min(batch, shape.max_num_seqs))
+    prefill = load.queued_prefill_tokens + uncached_tokens
+    first = math.ceil(prefill / prefill_per_step) * step.step_seconds(
+        min(prefill, prefill_per_step), min(batch, shape.max_num_seqs), load.context_tokens)
+    joined = min(batch + 1, shape.max_num_seqs)
+    decode = request.output_tokens * step.step_seconds(0, joined, load.context_tokens + request.prompt_tokens)
+    if batch >= shape.max_num_seqs:  # a full batch: wait for that many sequences to finish first
+        first += (batch + 1 - shape.max_num_seqs) / shape.max_num_seqs * decode
+    return first + decode
+
+
+def kv_full(load: Load, uncached_tokens: int, block_size: int) -> bool:
+    """No room for the request's prompt blocks (as far as the report says)."""
+    return load.kv_blocks_free is not None and load.kv_blocks_free < -(-(uncached_tokens + 1) // block_size)
+
+
+@dataclass(frozen=True)
+class Score:
+    replica: Hashable
+    seconds: float
+    kv_full: bool
+    cached_tokens: int
+
+
+def score_replicas(step: StepTimeModel, shape: EngineShape, loads: Dict[Hashable, Load],
+                   cached_tokens: Dict[Hashable, int], request: Request) -> List[Score]:
+    """Every replica's score, best first: replicas with room before full ones, then by expected
+    seconds; ties (an idle fleet) broken at random so they spread."""
+    scores = []
+    for r, load in loads.items():
+        cached = cached_tokens.get(r, 0)
+        uncached = request.prompt_tokens - cached
+        scores.append(Score(r, expected_seconds(step, shape, load, uncached, request),
+                            kv_full(load, uncached, shape.block_size), cached))
+    jitter = {s.replica: random.random() for s in scores}
+    scores.sort(key=lambda s: (s.kv_full, s.seconds, jitter[s.replica]))
+    return scores

@@ -1,0 +1,162 @@
+"""LLMRouter's decision with fake replicas (no Ray cluster): affinity, load, staleness, bounds, turns."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from batcher.block_manager import cacheable_block_hashes
+from batcher.simulated import PRESETS
+from deployments.protocol import GenerateRequest
+from router.index import PrefixIndex
+from router.scoring import Load, Report, Routed, estimate_load, fill_unknown
+
+BS = 8
+SYSTEM = list(range(1000, 1400))  # a 400-token shared system prompt
+H100 = PRESETS["h100-llama3-8b"]
+
+
+def make_router(**kwargs):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from router.llm_router import LLMRouter
+
+    router = LLMRouter(deployment_id=DeploymentID(name="LLMServer", app_name="test"),
+                       handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(block_size=BS, max_num_batched_tokens=2048, max_num_seqs=64,
+                            cost_model="h100-llama3-8b", **kwargs)
+    return router
+
+
+def replica(name: str, now: float, age_s: float = 0.1, **stats):
+    """A RunningReplica stand-in: an id and the routing stats LLMServer.record_routing_stats reports."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    report = {"time_s": now - age_s, "waiting": 0, "running": 0, "queued_prefill_tokens": 0, "context_tokens": 0,
+              "kv_blocks_free": 10_000, "kv_blocks_total": 10_000, **stats}
+    return SimpleNamespace(replica_id=ReplicaID(unique_id=name, deployment_id=DeploymentID(name="LLMServer", app_name="test")),
+                           routing_stats=report)
+
+
+def request(ids, request_id="r", max_tokens=64):
+    return GenerateRequest(prompt=ids, prompt_token_ids=ids, max_tokens=max_tokens, request_id=request_id)
+
+
+def route(router, replicas, req, key):
+    """Scores, then tells the router where the request went (as Serve does after choose_replicas)."""
+    best = router.score(replicas, router.prepare(req))[0].replica
+    router._prepared[key] = router.prepare(req)
+    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(internal_request_id=key)), best, None)
+    return best
+
+
+def test_affinity_wins_when_load_is_even():
+    router, now = make_router(), time.time()
+    reps = [replica(n, now, running=8, context_tokens=4000) for n in "abcd"]
+    router.index.insert(reps[2].replica_id, cacheable_block_hashes(SYSTEM + [1], BS))
+    scores = router.score(reps, router.prepare(request(SYSTEM + [5, 6, 7])), now)
+    assert scores[0].replica == reps[2].replica_id
+    assert scores[0].cached_tokens == 400 and all(s.cached_tokens == 0 for s in scores[1:])
+
+
+def test_load_wins_when_the_holder_is_hot():
+    router, now = make_router(), time.time()
+    hot = replica("hot", now, running=64, waiting=30, queued_prefill_tokens=30 * 500, context_tokens=64 * 600)
+    idle = replica("idle", now)
+    router.index.insert(hot.replica_id, cacheable_block_hashes(SYSTEM + [1], BS))
+    scores = router.score([hot, idle], router.prepare(request(SYSTEM + [5])), now)
+    assert [s.replica for s in scores] == [idle.replica_id, hot.replica_id]
+    # ... and the margin is what it costs: the holder's queue far exceeds recomputing 400 tokens.
+    assert scores[1].seconds - scores[0].seconds > 400 * H100.step.prefill_token_s
+
+
+def test_a_hot_prefix_spreads_instead_of_pinning_one_replica():
+    """Everyone shares one system prompt: the first holder takes requests until its queue costs more
+    than recomputing the prefix elsewhere; then the prefix spreads and load stays even."""
+    router, now = make_router(), time.time()
+    reps = [replica(n, now, age_s=0.01) for n in "abcd"]
+    chosen = [route(router, reps, request(SYSTEM + [i, i + 1], f"u{i}"), f"k{i}") for i in range(40)]
+    counts = {r.replica_id: chosen.count(r.replica_id) for r in reps}
+    assert max(counts.values()) <= 1.5 * (40 / 4), counts
+    assert all(router.index.matched_blocks(r.replica_id, cacheable_block_hashes(SYSTEM + [0, 1], BS)) == 50
+               for r in reps)  # every replica now holds the prefix
+
+
+def test_a_full_kv_cache_ranks_last_even_with_the_prefix():
+    router, now = make_router(), time.time()
+    full = replica("full", now, kv_blocks_free=3)
+    busy = replica("busy", now, running=40, context_tokens=40 * 800)
+    router.index.insert(full.replica_id, cacheable_block_hashes(SYSTEM + [1], BS))
+    scores = router.score([full, busy], router.prepare(request(SYSTEM + list(range(200)))), now)
+    assert [s.replica for s in scores] == [busy.replica_id, full.replica_id] and scores[1].kv_full
+
+
+def test_stale_reports_count_as_unknown_not_idle():
+    now = time.time()
+    stale = Report.parse(replica("s", now, age_s=30).routing_stats)
+    assert estimate_load(stale, [], now, max_age_s=5, block_size=BS) is None
+    busy = Load(queued_prefill_tokens=3000, batch=40, context_tokens=20_000, kv_blocks_free=100)
+    filled = fill_unknown({"s": None, "b1": busy, "b2": busy},
+                          {"s": Load(0, 0, 0, None), "b1": busy, "b2": busy})
+    assert filled["s"].batch == 40 and filled["s"].queued_prefill_tokens == 3000  # the fleet's mean, not 0
+    # With the router: an idle-looking stale replica does not attract the traffic.
+    router = make_router(max_stats_age_s=5)
+    stale_idle = replica("stale", now, age_s=30)
+    loaded = [replica(n, now, running=40, queued_prefill_tokens=3000, context_tokens=20_000) for n in "xy"]
+    scores = router.score([stale_idle] + loaded, router.prepare(request(list(range(64)))), now)
+    assert len({round(s.seconds, 9) for s in scores}) == 1  # equal to the known ones, not preferred
+
+
+def test_requests_routed_after_a_report_count_on_top_of_it():
+    now = time.time()
+    report = Report(time_s=now - 0.5, waiting=1, running=2, queued_prefill_tokens=100, context_tokens=300,
+                    kv_blocks_free=50, kv_blocks_total=64)
+    inflight = [Routed(now - 1.0, 64, 64), Routed(now - 0.1, 80, 40)]  # the first is in the report already
+    load = estimate_load(report, inflight, now, max_age_s=5, block_size=BS)
+    assert (load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free) == (140, 4, 380, 45)
+
+
+def test_index_is_bounded_and_evicts_tails_before_roots():
+    index = PrefixIndex(max_blocks_per_replica=100)
+    for user in range(20):
+        index.insert("r", cacheable_block_hashes(SYSTEM + [user] * 200, BS))
+    assert index.num_blocks("r") == 100
+    # The shared system prompt (the roots, most recently touched) survived the eviction.
+    assert index.matched_blocks("r", cacheable_block_hashes(SYSTEM + [99], BS)) == 50
+    index.set_capacity("r", kv_blocks=30)  # the replica reports a smaller KV cache: the index follows
+    assert index.num_blocks("r") == 30
+    with pytest.raises(ValueError):
+        PrefixIndex(0)
+
+
+def test_turn_two_follows_turn_one_including_its_answer():
+    router, now = make_router(), time.time()
+    reps = [replica(n, now) for n in "abcd"]
+    router._replicas = {r.replica_id: r for r in reps}  # what Serve's update_replicas sets (it needs real replicas)
+    turn1 = list(range(2000, 2100))
+    first = route(router, reps, request(turn1, "t1"), "k1")
+    answer = list(range(5000, 5120))
+    router.record_answer("t1", turn1, answer)
+    on_first = router.index.matched_blocks(first, cacheable_block_hashes(turn1 + answer + [7, 8, 9], BS))
+    computed = len(turn1) + len(answer) - 1  # the answer's last token is sampled, never computed
+    assert on_first == computed // BS  # the answer's blocks count as cached
+    # Other replicas got busier meanwhile; turn 2 still goes where turn 1 was computed.
+    for r in reps:
+        if r.replica_id != first:
+            r.routing_stats.update(running=4, context_tokens=800)
+    second = router.score(reps, router.prepare(request(turn1 + answer + [7, 8, 9], "t2")), now)[0]
+    assert second.replica == first and second.cached_tokens == computed // BS * BS
+
+
+def test_decision_time_at_100_replicas_is_bounded():
+    """A loose bound (shared CI machine); the microbenchmark (load_tests.router_micro) gives figures."""
+    router, now = make_router(), time.time()
+    reps = [replica(f"r{i}", now, running=i % 50, context_tokens=(i % 50) * 900) for i in range(100)]
+    for i, r in enumerate(reps):
+        router.index.insert(r.replica_id, cacheable_block_hashes(SYSTEM + [i] * 64, BS))
+    prepared = router.prepare(request(SYSTEM + [7] * 600))
+    t0 = time.perf_counter()
+    for _ in range(20):
+        router.score(reps, prepared, now)
+    assert (time.perf_counter() - t0) / 20 < 0.02
