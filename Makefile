@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install model serve test bench-offline bench-serving clean
+.PHONY: install model serve test bench-offline bench-serving bench-routing clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ bench-offline: model
 
 bench-serving: model
 	$(BIN)/python -m load_tests.serving
+
+bench-routing: model
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m load_tests.router_micro
+	$(BIN)/python -m load_tests.routing
 
 clean:
 	rm -rf $(VENV)

@@ -11,6 +11,7 @@ is made per request: reports arrive through Serve's routing stats, everything el
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from router import feedback
 from router.config import LLMRouterConfig
 from router.index import PrefixIndex
 from router.scoring import (EngineShape, Request, Routed, Report, Score, estimate_load, fill_unknown,
-                            own_load, score_replicas)
+                            own_load, prefill_rate, score_replicas)
 
 _TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
 
@@ -42,9 +43,11 @@ class LLMRouter(RequestRouter):
         self.config = cfg
         self.step_model = PRESETS[cfg.cost_model or "cpu-smollm2"].step
         self.shape = EngineShape(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.prefill_tokens_per_s = prefill_rate(self.step_model, self.shape)
         self.index = PrefixIndex(cfg.max_blocks_per_replica)
         self._prepared: "OrderedDict[str, _Prepared]" = OrderedDict()  # by Serve's internal request id
         self._inflight: Dict[ReplicaID, Dict[str, Routed]] = {}
+        self._reports: Dict[ReplicaID, tuple] = {}  # replica -> (the stats dict, its Report)
         self._awaiting_answer: "OrderedDict[str, ReplicaID]" = OrderedDict()  # our request id -> replica
         self._mean_output_tokens: Optional[float] = None
         feedback.register(self)
@@ -69,16 +72,25 @@ class LLMRouter(RequestRouter):
         loads, own, cached = {}, {}, {}
         for r in candidates:
             rid = r.replica_id
-            report = Report.parse(r.routing_stats)
-            if report is not None:
-                self.index.set_capacity(rid, report.kv_blocks_total)
+            report = self._report(rid, r.routing_stats)
             inflight = list(self._inflight.get(rid, {}).values())
-            loads[rid] = estimate_load(report, inflight, now, cfg.max_stats_age_s, bs)
+            loads[rid] = estimate_load(report, inflight, now, cfg.max_stats_age_s, bs, self.prefill_tokens_per_s)
             if loads[rid] is None:
-                own[rid] = own_load(inflight, now, cfg.max_stats_age_s)
+                own[rid] = own_load(inflight, now, self.prefill_tokens_per_s)
             # Never the prompt's last token: the engine always computes it.
             cached[rid] = min(self.index.matched_blocks(rid, prepared.hashes) * bs, prepared.request.prompt_tokens - 1)
         return score_replicas(self.step_model, self.shape, fill_unknown(loads, own), cached, prepared.request)
+
+    def _report(self, rid: ReplicaID, stats: Optional[dict]) -> Optional[Report]:
+        """Parsed once per report Serve delivers (a new dict each time), not once per decision."""
+        cached = self._reports.get(rid)
+        if cached is not None and cached[0] is stats:
+            return cached[1]
+        report = Report.parse(stats)
+        if report is not None:
+            self.index.set_capacity(rid, report.kv_blocks_total)
+        self._reports[rid] = (stats, report)
+        return report
 
     def _prepare(self, pending_request: PendingRequest) -> _Prepared:
         """Hashes the request once, however often Serve asks to route it (it retries under backoff)."""
@@ -120,7 +132,19 @@ class LLMRouter(RequestRouter):
 
     def record_answer(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """A finished answer: its blocks stay cached on the replica that computed it, and its length
-        feeds the decode estimate of requests whose max_tokens is not binding."""
+        feeds the decode estimate of requests whose max_tokens is not binding. Runs on the router's
+        loop (Serve may run routers in a thread of their own, apart from the caller's loop)."""
+        loop = self._lazily_fetched_loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is not None and loop is not here and loop.is_running():
+            loop.call_soon_threadsafe(self._record_answer, request_id, prompt_token_ids, output_token_ids)
+        else:
+            self._record_answer(request_id, prompt_token_ids, output_token_ids)
+
+    def _record_answer(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         replica_id = self._awaiting_answer.pop(request_id, None)
         if replica_id is None:
             return
@@ -137,6 +161,7 @@ class LLMRouter(RequestRouter):
         self.index.remove_replicas(gone)
         for rid in gone:
             self._inflight.pop(rid, None)
+            self._reports.pop(rid, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -73,24 +73,33 @@ class Request:
 
 
 def estimate_load(report: Optional[Report], inflight: Sequence[Routed], now: float, max_age_s: float,
-                  block_size: int) -> Optional[Load]:
-    """The replica's report plus what this router sent after it; None when the report is missing or
-    older than `max_age_s` (unknown, which is not the same as idle)."""
+                  block_size: int, prefill_tokens_per_s: float) -> Optional[Load]:
+    """The replica's report plus what this router sent after it, less the prefill the replica has
+    done since (at its rate); None when the report is missing or older than `max_age_s` (unknown,
+    which is not the same as idle)."""
     if report is None or now - report.time_s > max_age_s:
         return None
     after = [r for r in inflight if r.routed_at > report.time_s]
+    queued = report.queued_prefill_tokens + sum(r.uncached_tokens for r in after)
     return Load(
-        queued_prefill_tokens=report.queued_prefill_tokens + sum(r.uncached_tokens for r in after),
+        queued_prefill_tokens=max(0.0, queued - (now - report.time_s) * prefill_tokens_per_s),
         batch=report.running + report.waiting + len(after),
         context_tokens=report.context_tokens + sum(r.prompt_tokens for r in after),
         kv_blocks_free=report.kv_blocks_free - sum(-(-r.uncached_tokens // block_size) for r in after),
     )
 
 
-def own_load(inflight: Sequence[Routed], now: float, max_age_s: float) -> Load:
-    """What this router alone knows of a replica: its own in-flight requests."""
+def prefill_rate(step: StepTimeModel, shape: EngineShape) -> float:
+    """Prompt tokens per second a replica prefills when its whole step budget goes to prefill."""
+    return shape.max_num_batched_tokens / step.step_seconds(shape.max_num_batched_tokens, 0, 0)
+
+
+def own_load(inflight: Sequence[Routed], now: float, prefill_tokens_per_s: float) -> Load:
+    """What this router alone knows of a replica: its own in-flight requests, their prefill
+    assumed done at the replica's rate since they were sent."""
     return Load(
-        queued_prefill_tokens=sum(r.uncached_tokens for r in inflight if now - r.routed_at <= max_age_s),
+        queued_prefill_tokens=sum(max(0.0, r.uncached_tokens - (now - r.routed_at) * prefill_tokens_per_s)
+                                  for r in inflight),
         batch=len(inflight), context_tokens=sum(r.prompt_tokens for r in inflight), kv_blocks_free=None,
     )
 

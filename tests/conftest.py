@@ -46,6 +46,13 @@ class ServeCluster:
             self._apps[name] = config
         return self.url(name)
 
+    def delete(self, name: str) -> None:
+        """Removes app `name` (its replicas' memory goes back to later tests)."""
+        from ray import serve
+
+        serve.delete(name)
+        self._apps.pop(name, None)
+
 
 @pytest.fixture(scope="session")
 def serve_cluster():

@@ -95,7 +95,7 @@ def test_a_full_kv_cache_ranks_last_even_with_the_prefix():
 def test_stale_reports_count_as_unknown_not_idle():
     now = time.time()
     stale = Report.parse(replica("s", now, age_s=30).routing_stats)
-    assert estimate_load(stale, [], now, max_age_s=5, block_size=BS) is None
+    assert estimate_load(stale, [], now, max_age_s=5, block_size=BS, prefill_tokens_per_s=1000) is None
     busy = Load(queued_prefill_tokens=3000, batch=40, context_tokens=20_000, kv_blocks_free=100)
     filled = fill_unknown({"s": None, "b1": busy, "b2": busy},
                           {"s": Load(0, 0, 0, None), "b1": busy, "b2": busy})
@@ -113,8 +113,10 @@ def test_requests_routed_after_a_report_count_on_top_of_it():
     report = Report(time_s=now - 0.5, waiting=1, running=2, queued_prefill_tokens=100, context_tokens=300,
                     kv_blocks_free=50, kv_blocks_total=64)
     inflight = [Routed(now - 1.0, 64, 64), Routed(now - 0.1, 80, 40)]  # the first is in the report already
-    load = estimate_load(report, inflight, now, max_age_s=5, block_size=BS)
-    assert (load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free) == (140, 4, 380, 45)
+    load = estimate_load(report, inflight, now, max_age_s=5, block_size=BS, prefill_tokens_per_s=100)
+    # 100 + 40 queued, less 0.5 s of prefill at 100 tokens/s since the report.
+    assert load.queued_prefill_tokens == pytest.approx(90)
+    assert (load.batch, load.context_tokens, load.kv_blocks_free) == (4, 380, 45)
 
 
 def test_index_is_bounded_and_evicts_tails_before_roots():
@@ -150,13 +152,8 @@ def test_turn_two_follows_turn_one_including_its_answer():
 
 
 def test_decision_time_at_100_replicas_is_bounded():
-    """A loose bound (shared CI machine); the microbenchmark (load_tests.router_micro) gives figures."""
-    router, now = make_router(), time.time()
-    reps = [replica(f"r{i}", now, running=i % 50, context_tokens=(i % 50) * 900) for i in range(100)]
-    for i, r in enumerate(reps):
-        router.index.insert(r.replica_id, cacheable_block_hashes(SYSTEM + [i] * 64, BS))
-    prepared = router.prepare(request(SYSTEM + [7] * 600))
-    t0 = time.perf_counter()
-    for _ in range(20):
-        router.score(reps, prepared, now)
-    assert (time.perf_counter() - t0) / 20 < 0.02
+    """A loose bound on a shared CI machine; `python -m load_tests.router_micro` gives the figures."""
+    from load_tests.router_micro import time_decisions
+
+    r = time_decisions(replicas=100, prompt_tokens=2000, decisions=20)
+    assert r["total_p50_us"] < 20_000, r

@@ -1,0 +1,237 @@
+"""`python -m load_tests.routing`: three routers, the same traffic, the same simulated fleets, one run.
+
+Routers: Serve's default (power of two choices), Ray Serve LLM's PrefixCacheAffinityRouter (its own
+code, through load_tests.routing_peers' text adapter) and iterserve's LLMRouter. Fleets: N replicas
+of `sim:<preset>` (SIMULATED: the real engine, scheduler, KV bookkeeping and Serve plumbing, with the
+forward replaced by a step-time model that sleeps; every figure here is a simulation). Traffic over
+HTTP, streaming chat with usage:
+- shared: users in multi-turn chats over a few long system prompts;
+- skew:   the same, one system prompt taking half the users;
+- unique: one-turn chats with a prompt of their own (nothing to share).
+Reports cached-token share, TTFT p50/p90, output tokens/s and the mean over time of max/mean
+in-flight requests per replica; writes JSON. Bounded: fixed sessions, a timeout per run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROUTERS = {
+    "serve-default": None,
+    "ray-prefix-affinity": "load_tests.routing_peers:PrefixCacheAffinityAdapter",
+    "llm-router": "router:LLMRouter",
+}
+WORKLOADS = ("shared", "skew", "unique")
+_WORDS = ("data model serve token cache route replica batch queue stream system user answer engine "
+          "prompt prefix block memory latency request cluster policy scale shard node tensor").split()
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words)) + "."
+
+
+def sessions(kind: str, users: int, turns: int, system_words: int, user_words: int, seed: int) -> List[dict]:
+    """Each session: a system prompt and the user messages of its turns."""
+    rng = random.Random(seed)
+    systems = [f"System prompt {i}. " + text(rng, system_words) for i in range(4)]
+    out = []
+    for u in range(users):
+        if kind == "unique":
+            system, n = f"Private prompt {u}. " + text(rng, system_words), 1
+        else:
+            hot = kind == "skew" and u % 2 == 0
+            system, n = systems[0 if hot else u % len(systems)], turns
+        out.append({"system": system, "turns": [f"User {u} turn {t}: " + text(rng, user_words) for t in range(n)]})
+    return out
+
+
+async def chat(client, url: str, session: dict, max_tokens: int, records: List[dict]) -> None:
+    messages = [{"role": "system", "content": session["system"]}]
+    for content in session["turns"]:
+        messages.append({"role": "user", "content": content})
+        body = {"messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0, ttft, answer, usage = time.perf_counter(), None, [], None
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                records.append({"status": r.status_code})
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+                answer += [c["delta"].get("content") or "" for c in event.get("choices", [])]
+        records.append({"status": 200, "ttft_s": ttft, "e2e_s": time.perf_counter() - t0,
+                        "prompt_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
+        messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+class InflightSampler:
+    """Samples running + waiting requests of every replica (LLMServer.stats) every `period_s`."""
+
+    def __init__(self, app: str, replicas: int, period_s: float = 0.5):
+        from ray import serve
+
+        self.handle = serve.get_deployment_handle("LLMServer", app)
+        self.replicas, self.period_s, self.ratios = replicas, period_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            seen: Dict[str, int] = {}
+            for _ in range(8 * self.replicas):
+                s = self.handle.stats.remote().result()
+                seen[s["replica_id"]] = s["running"] + s["waiting"]
+                if len(seen) == self.replicas:
+                    break
+            loads = list(seen.values()) + [0] * (self.replicas - len(seen))
+            if sum(loads):
+                self.ratios.append(max(loads) / statistics.mean(loads))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def summarize(records: List[dict], wall_s: float, inflight: List[float]) -> dict:
+    ok = [r for r in records if r["status"] == 200]
+    ttft = sorted(r["ttft_s"] * 1000 for r in ok)
+    pct = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))]  # noqa: E731
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    return {"requests": len(records), "failed": len(records) - len(ok),
+            "cached_share": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
+            "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p90": pct(0.9),
+            "output_tokens_per_s": sum(r["output_tokens"] for r in ok) / wall_s, "wall_s": wall_s,
+            "inflight_max_over_mean": statistics.mean(inflight) if inflight else None}
+
+
+def app_config(args, router_class: Optional[str], replicas: int) -> dict:
+    router = {"request_routing_stats_period_s": args.stats_period_s}
+    if router_class:
+        router["request_router_class"] = router_class
+    return {"engine": {"model": f"sim:{args.preset}", "num_kv_blocks": args.kv_blocks, "max_num_seqs": 64,
+                       "max_num_batched_tokens": 2048},
+            "replica": {"num_replicas": replicas, "max_ongoing_requests": 256},
+            "stream": {"interval_ms": 20, "max_chunks_per_s": 25}, "router": router}
+
+
+def run_fleet(args, replicas: int, url_base: str) -> Dict[str, Dict[str, dict]]:
+    import httpx
+    from ray import serve
+
+    from deployments.app import build_app
+
+    results: Dict[str, Dict[str, dict]] = {}
+    for name, cls in ROUTERS.items():
+        if name not in args.routers:
+            continue
+        app = f"route{replicas}{name.replace('-', '')}"
+        serve.run(build_app(app_config(args, cls, replicas)), name=app, route_prefix=f"/{app}")
+        url = f"{url_base}/{app}"
+        for kind in args.workloads:
+            work = sessions(kind, args.users, args.turns, args.system_words, args.user_words, args.seed)
+            records: List[dict] = []
+
+            async def go():
+                limits = httpx.Limits(max_connections=args.users + 8)
+                async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client:
+                    await asyncio.wait_for(asyncio.gather(*(chat(client, url, s, args.max_tokens, records)
+                                                            for s in work)), args.timeout_s)
+            with InflightSampler(app, replicas) as sampler:
+                t0 = time.perf_counter()
+                asyncio.run(go())
+                wall = time.perf_counter() - t0
+            results.setdefault(kind, {})[name] = summarize(records, wall, sampler.ratios)
+            print(f"  {replicas} replicas, {name:20s} {kind:7s} {results[kind][name]}", flush=True)
+        serve.delete(app)
+    return results
+
+
+def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> List[dict]:
+    print(f"\nSIMULATED fleets (sim:{preset}: step-time model, not a real GPU)")
+    print(f"{'replicas':>8} {'workload':8} {'router':20} {'cached':>7} {'TTFT p50':>9} {'TTFT p90':>9} "
+          f"{'out tok/s':>9} {'max/mean':>8} {'failed':>6}")
+    checks = []
+    for n, by_kind in all_results.items():
+        for kind, by_router in by_kind.items():
+            for name, m in by_router.items():
+                imb = f"{m['inflight_max_over_mean']:.2f}" if m["inflight_max_over_mean"] else "-"
+                print(f"{n:>8} {kind:8} {name:20} {m['cached_share']:>7.1%} {m['ttft_ms_p50']:>7.0f}ms "
+                      f"{m['ttft_ms_p90']:>7.0f}ms {m['output_tokens_per_s']:>9.0f} {imb:>8} {m['failed']:>6}")
+            ours, default = by_router.get("llm-router"), by_router.get("serve-default")
+            ray_llm = by_router.get("ray-prefix-affinity")
+            if not ours or not default:
+                continue
+            if kind == "shared":
+                checks += [(n, kind, "cached share >= 2x Serve default", ours["cached_share"] >= 2 * default["cached_share"]),
+                           (n, kind, "TTFT p90 <= 0.5x Serve default", ours["ttft_ms_p90"] <= 0.5 * default["ttft_ms_p90"])]
+                if ray_llm:
+                    checks += [(n, kind, "cached share > PrefixCacheAffinity", ours["cached_share"] > ray_llm["cached_share"]),
+                               (n, kind, "TTFT p90 <= 0.8x PrefixCacheAffinity", ours["ttft_ms_p90"] <= 0.8 * ray_llm["ttft_ms_p90"])]
+            if kind == "skew" and ours["inflight_max_over_mean"]:
+                checks.append((n, kind, "max/mean in-flight <= 1.5", ours["inflight_max_over_mean"] <= 1.5))
+            if kind == "unique":
+                checks.append((n, kind, "throughput within 5% of Serve default",
+                               ours["output_tokens_per_s"] >= 0.95 * default["output_tokens_per_s"]))
+    print("\ntargets (llm-router):")
+    for n, kind, what, met in checks:
+        print(f"  {n} replicas, {kind:7s} {what:40s} {'met' if met else 'MISSED'}")
+    return [{"replicas": n, "workload": k, "target": w, "met": m} for n, k, w, m in checks]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m load_tests.routing", description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", default="4,8", help="fleet sizes, comma separated")
+    p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--preset", default="h100-llama3-8b")
+    p.add_argument("--users", type=int, default=32, help="concurrent chat sessions")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=700, help="~1.3 tokens a word")
+    p.add_argument("--user-words", type=int, default=60)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--kv-blocks", type=int, default=1000, help="per replica (8 tokens each): scaled with the workload")
+    p.add_argument("--stats-period-s", type=float, default=0.5)
+    p.add_argument("--timeout-s", type=float, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="results/routing.json")
+    args = p.parse_args(argv)
+    args.routers, args.workloads = args.routers.split(","), args.workloads.split(",")
+    import ray
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        results = {n: run_fleet(args, n, f"http://127.0.0.1:{port}") for n in map(int, args.replicas.split(","))}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    checks = report(results, args.preset)
+    out = {"simulated": f"sim:{args.preset}", "args": vars(args), "results": results, "targets": checks}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
