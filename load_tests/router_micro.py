@@ -45,8 +45,8 @@ def fake_fleet(router, replicas: int, prompt_tokens: int, seed: int = 0) -> List
             "queued_prefill_tokens": rng.randrange(4096), "context_tokens": running * 1500,
             "kv_blocks_free": rng.randrange(50_000), "kv_blocks_total": 50_000}))
         for c in range(20):  # conversations this replica holds
-            router.index.insert(rid, cacheable_block_hashes(system + [i, c] * (prompt_tokens // 4), 8))
-        router._inflight[rid] = {f"{i}-{k}": Routed(now - rng.random(), 1500, 300) for k in range(8)}
+            router.index.insert(rid.unique_id, cacheable_block_hashes(system + [i, c] * (prompt_tokens // 4), 8))
+        router._inflight[rid.unique_id] = {f"{i}-{k}": Routed(now - rng.random(), 1500, 300) for k in range(8)}
     return fleet
 
 

@@ -4,12 +4,13 @@ Hashes are the engine's own (batcher.block_manager.cacheable_block_hashes over t
 so a match here is a match in the replica's prefix cache, as far as the router can know. A block
 hash chains its whole prefix, so a replica holding block i held blocks 0..i-1 when they were
 inserted; inserting deepest-first keeps the root most recent, so LRU eviction trims chains from the
-tail and the prefix property holds, which lets a match be a binary search per replica.
+tail and the prefix property holds: a replica's match is the deepest of the request's blocks it
+holds, found for every replica at once by walking the request's blocks from the deepest up.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, Hashable, Iterable, List, Optional, Sequence
+from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Set
 
 
 class PrefixIndex:
@@ -17,7 +18,8 @@ class PrefixIndex:
         if max_blocks_per_replica < 1:
             raise ValueError("max_blocks_per_replica must be >= 1")
         self.max_blocks_per_replica = max_blocks_per_replica
-        self._blocks: Dict[Hashable, "OrderedDict[int, None]"] = {}
+        self._blocks: Dict[Hashable, "OrderedDict[int, None]"] = {}  # per replica, LRU order
+        self._owners: Dict[int, Set[Hashable]] = {}  # block hash -> replicas holding it
         self._capacity: Dict[Hashable, int] = {}
 
     def set_capacity(self, replica: Hashable, kv_blocks: Optional[int]) -> None:
@@ -35,27 +37,26 @@ class PrefixIndex:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
+                self._owners.setdefault(h, set()).add(replica)
         self._evict(replica)
 
-    def matched_blocks(self, replica: Hashable, hashes: Sequence[int]) -> int:
-        """How many leading blocks of `hashes` the replica holds."""
-        blocks = self._blocks.get(replica)
-        if not blocks or not hashes:
-            return 0
-        if hashes[-1] in blocks:  # the whole chain: the common case for a follow-up turn
-            return len(hashes)
-        lo, hi = 0, len(hashes) - 1  # answer in [lo, hi]: hashes[lo-1] held, hashes[hi] not
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if hashes[mid] in blocks:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+    def matched_blocks(self, hashes: Sequence[int]) -> Dict[Hashable, int]:
+        """How many leading blocks of `hashes` each replica holds (replicas holding none: absent).
+        Cost: one lookup per block down to where every holder is found, whatever the fleet size."""
+        found: Dict[Hashable, int] = {}
+        for depth in range(len(hashes), 0, -1):
+            owners = self._owners.get(hashes[depth - 1])
+            if owners:
+                for r in owners:
+                    found.setdefault(r, depth)
+                if len(found) == len(self._blocks):
+                    break
+        return found
 
     def remove_replicas(self, replicas: Iterable[Hashable]) -> None:
         for r in replicas:
-            self._blocks.pop(r, None)
+            for h in self._blocks.pop(r, ()):
+                self._disown(h, r)
             self._capacity.pop(r, None)
 
     def replicas(self) -> List[Hashable]:
@@ -70,4 +71,10 @@ class PrefixIndex:
             return
         cap = self._capacity.get(replica, self.max_blocks_per_replica)
         while len(blocks) > cap:
-            blocks.popitem(last=False)
+            self._disown(blocks.popitem(last=False)[0], replica)
+
+    def _disown(self, h: int, replica: Hashable) -> None:
+        owners = self._owners[h]
+        owners.discard(replica)
+        if not owners:
+            del self._owners[h]

@@ -46,8 +46,9 @@ class LLMRouter(RequestRouter):
         self.prefill_tokens_per_s = prefill_rate(self.step_model, self.shape)
         self.index = PrefixIndex(cfg.max_blocks_per_replica)
         self._prepared: "OrderedDict[str, _Prepared]" = OrderedDict()  # by Serve's internal request id
-        self._inflight: Dict[ReplicaID, Dict[str, Routed]] = {}
-        self._reports: Dict[ReplicaID, tuple] = {}  # replica -> (the stats dict, its Report)
+        # Per replica (keyed by ReplicaID.unique_id): requests in flight in routing order, last report.
+        self._inflight: Dict[str, Dict[str, Routed]] = {}
+        self._reports: Dict[str, tuple] = {}  # (the stats dict Serve delivered, its Report)
         self._awaiting_answer: "OrderedDict[str, ReplicaID]" = OrderedDict()  # our request id -> replica
         self._mean_output_tokens: Optional[float] = None
         feedback.register(self)
@@ -61,7 +62,7 @@ class LLMRouter(RequestRouter):
         if pending_request is None:  # Serve asks without a request when it only wants any replica
             return [candidate_replicas]
         scores = self.score(candidate_replicas, self._prepare(pending_request))
-        by_id = {r.replica_id: r for r in candidate_replicas}
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked = [by_id[s.replica] for s in scores]
         return [[r] for r in ranked[:_TOP_RANKS]] + ([ranked[_TOP_RANKS:]] if len(ranked) > _TOP_RANKS else [])
 
@@ -70,18 +71,19 @@ class LLMRouter(RequestRouter):
         now = time.time() if now is None else now
         cfg, bs = self.config, self.shape.block_size
         loads, own, cached = {}, {}, {}
+        matched = self.index.matched_blocks(prepared.hashes)
+        most = prepared.request.prompt_tokens - 1  # never the last token: the engine always computes it
         for r in candidates:
-            rid = r.replica_id
+            rid = r.replica_id.unique_id  # str keys: ReplicaID hashes in Python, 10x slower
             report = self._report(rid, r.routing_stats)
-            inflight = list(self._inflight.get(rid, {}).values())
+            inflight = self._inflight.get(rid, {}).values()
             loads[rid] = estimate_load(report, inflight, now, cfg.max_stats_age_s, bs, self.prefill_tokens_per_s)
             if loads[rid] is None:
                 own[rid] = own_load(inflight, now, self.prefill_tokens_per_s)
-            # Never the prompt's last token: the engine always computes it.
-            cached[rid] = min(self.index.matched_blocks(rid, prepared.hashes) * bs, prepared.request.prompt_tokens - 1)
+            cached[rid] = min(matched.get(rid, 0) * bs, most)
         return score_replicas(self.step_model, self.shape, fill_unknown(loads, own), cached, prepared.request)
 
-    def _report(self, rid: ReplicaID, stats: Optional[dict]) -> Optional[Report]:
+    def _report(self, rid: str, stats: Optional[dict]) -> Optional[Report]:
         """Parsed once per report Serve delivers (a new dict each time), not once per decision."""
         cached = self._reports.get(rid)
         if cached is not None and cached[0] is stats:
@@ -117,18 +119,19 @@ class LLMRouter(RequestRouter):
         prepared = self._prepared.pop(key, None)
         if prepared is None:
             return
-        cached = min(self.index.matched_blocks(replica_id, prepared.hashes) * self.shape.block_size,
+        rid = replica_id.unique_id
+        cached = min(self.index.matched_blocks(prepared.hashes).get(rid, 0) * self.shape.block_size,
                      prepared.request.prompt_tokens - 1)
-        self._inflight.setdefault(replica_id, {})[key] = Routed(
+        self._inflight.setdefault(rid, {})[key] = Routed(
             time.time(), prepared.request.prompt_tokens, prepared.request.prompt_tokens - cached)
         # The replica computes these blocks now: the next request sharing them should follow.
-        self.index.insert(replica_id, prepared.hashes)
+        self.index.insert(rid, prepared.hashes)
         if prepared.request_id:
             self._awaiting_answer[prepared.request_id] = replica_id
             self._bound(self._awaiting_answer)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._inflight.get(replica_id, {}).pop(internal_request_id, None)
+        self._inflight.get(replica_id.unique_id, {}).pop(internal_request_id, None)
 
     def record_answer(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """A finished answer: its blocks stay cached on the replica that computed it, and its length
@@ -152,12 +155,12 @@ class LLMRouter(RequestRouter):
         self._mean_output_tokens = n if m is None else 0.95 * m + 0.05 * n
         if replica_id in self._replicas:
             tokens = list(prompt_token_ids) + list(output_token_ids)
-            self.index.insert(replica_id, cacheable_block_hashes(tokens, self.shape.block_size))
+            self.index.insert(replica_id.unique_id, cacheable_block_hashes(tokens, self.shape.block_size))
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
         gone = set(self._inflight) | set(self.index.replicas())
-        gone -= set(self._replica_id_set)
+        gone -= {rid.unique_id for rid in self._replica_id_set}
         self.index.remove_replicas(gone)
         for rid in gone:
             self._inflight.pop(rid, None)
@@ -165,8 +168,9 @@ class LLMRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.index.remove_replicas([replica_id])
-        self._inflight.pop(replica_id, None)
+        self.index.remove_replicas([replica_id.unique_id])
+        self._inflight.pop(replica_id.unique_id, None)
+        self._reports.pop(replica_id.unique_id, None)
 
     def _bound(self, table: OrderedDict) -> None:
         while len(table) > self.config.max_tracked_requests:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Reversible, Sequence
 
 from batcher.simulated import StepTimeModel
 
@@ -58,7 +58,7 @@ class Routed:
     uncached_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class Load:
     queued_prefill_tokens: float
     batch: float  # sequences running or about to join the batch
@@ -72,21 +72,23 @@ class Request:
     output_tokens: int  # expected decode length
 
 
-def estimate_load(report: Optional[Report], inflight: Sequence[Routed], now: float, max_age_s: float,
+def estimate_load(report: Optional[Report], inflight: Reversible[Routed], now: float, max_age_s: float,
                   block_size: int, prefill_tokens_per_s: float) -> Optional[Load]:
-    """The replica's report plus what this router sent after it, less the prefill the replica has
-    done since (at its rate); None when the report is missing or older than `max_age_s` (unknown,
-    which is not the same as idle)."""
+    """The replica's report plus what this router sent after it (`inflight` in routing order), less
+    the prefill the replica has done since (at its rate); None when the report is missing or older
+    than `max_age_s` (unknown, which is not the same as idle)."""
     if report is None or now - report.time_s > max_age_s:
         return None
-    after = [r for r in inflight if r.routed_at > report.time_s]
-    queued = report.queued_prefill_tokens + sum(r.uncached_tokens for r in after)
-    return Load(
-        queued_prefill_tokens=max(0.0, queued - (now - report.time_s) * prefill_tokens_per_s),
-        batch=report.running + report.waiting + len(after),
-        context_tokens=report.context_tokens + sum(r.prompt_tokens for r in after),
-        kv_blocks_free=report.kv_blocks_free - sum(-(-r.uncached_tokens // block_size) for r in after),
-    )
+    queued, batch, context, kv_free = (report.queued_prefill_tokens, report.running + report.waiting,
+                                       report.context_tokens, report.kv_blocks_free)
+    for r in reversed(inflight):  # newest first, down to the first one the report already counts
+        if r.routed_at <= report.time_s:
+            break
+        queued += r.uncached_tokens
+        batch += 1
+        context += r.prompt_tokens
+        kv_free -= -(-r.uncached_tokens // block_size)
+    return Load(max(0.0, queued - (now - report.time_s) * prefill_tokens_per_s), batch, context, kv_free)
 
 
 def prefill_rate(step: StepTimeModel, shape: EngineShape) -> float:
@@ -141,7 +143,7 @@ def kv_full(load: Load, uncached_tokens: int, block_size: int) -> bool:
     return load.kv_blocks_free is not None and load.kv_blocks_free < -(-(uncached_tokens + 1) // block_size)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Score:
     replica: Hashable
     seconds: float
@@ -159,6 +161,5 @@ def score_replicas(step: StepTimeModel, shape: EngineShape, loads: Dict[Hashable
         uncached = request.prompt_tokens - cached
         scores.append(Score(r, expected_seconds(step, shape, load, uncached, request),
                             kv_full(load, uncached, shape.block_size), cached))
-    jitter = {s.replica: random.random() for s in scores}
-    scores.sort(key=lambda s: (s.kv_full, s.seconds, jitter[s.replica]))
+    scores.sort(key=lambda s: (s.kv_full, s.seconds, random.random()))
     return scores

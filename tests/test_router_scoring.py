@@ -47,16 +47,17 @@ def route(router, replicas, req, key):
     """Scores, then tells the router where the request went (as Serve does after choose_replicas)."""
     best = router.score(replicas, router.prepare(req))[0].replica
     router._prepared[key] = router.prepare(req)
-    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(internal_request_id=key)), best, None)
+    replica_id = next(r.replica_id for r in replicas if r.replica_id.unique_id == best)
+    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(internal_request_id=key)), replica_id, None)
     return best
 
 
 def test_affinity_wins_when_load_is_even():
     router, now = make_router(), time.time()
     reps = [replica(n, now, running=8, context_tokens=4000) for n in "abcd"]
-    router.index.insert(reps[2].replica_id, cacheable_block_hashes(SYSTEM + [1], BS))
+    router.index.insert(reps[2].replica_id.unique_id, cacheable_block_hashes(SYSTEM + [1], BS))
     scores = router.score(reps, router.prepare(request(SYSTEM + [5, 6, 7])), now)
-    assert scores[0].replica == reps[2].replica_id
+    assert scores[0].replica == "c"
     assert scores[0].cached_tokens == 400 and all(s.cached_tokens == 0 for s in scores[1:])
 
 
@@ -64,9 +65,9 @@ def test_load_wins_when_the_holder_is_hot():
     router, now = make_router(), time.time()
     hot = replica("hot", now, running=64, waiting=30, queued_prefill_tokens=30 * 500, context_tokens=64 * 600)
     idle = replica("idle", now)
-    router.index.insert(hot.replica_id, cacheable_block_hashes(SYSTEM + [1], BS))
+    router.index.insert("hot", cacheable_block_hashes(SYSTEM + [1], BS))
     scores = router.score([hot, idle], router.prepare(request(SYSTEM + [5])), now)
-    assert [s.replica for s in scores] == [idle.replica_id, hot.replica_id]
+    assert [s.replica for s in scores] == ["idle", "hot"]
     # ... and the margin is what it costs: the holder's queue far exceeds recomputing 400 tokens.
     assert scores[1].seconds - scores[0].seconds > 400 * H100.step.prefill_token_s
 
@@ -77,19 +78,19 @@ def test_a_hot_prefix_spreads_instead_of_pinning_one_replica():
     router, now = make_router(), time.time()
     reps = [replica(n, now, age_s=0.01) for n in "abcd"]
     chosen = [route(router, reps, request(SYSTEM + [i, i + 1], f"u{i}"), f"k{i}") for i in range(40)]
-    counts = {r.replica_id: chosen.count(r.replica_id) for r in reps}
+    counts = {name: chosen.count(name) for name in "abcd"}
     assert max(counts.values()) <= 1.5 * (40 / 4), counts
-    assert all(router.index.matched_blocks(r.replica_id, cacheable_block_hashes(SYSTEM + [0, 1], BS)) == 50
-               for r in reps)  # every replica now holds the prefix
+    held = router.index.matched_blocks(cacheable_block_hashes(SYSTEM + [0, 1], BS))
+    assert held == {name: 50 for name in "abcd"}  # every replica now holds the prefix
 
 
 def test_a_full_kv_cache_ranks_last_even_with_the_prefix():
     router, now = make_router(), time.time()
     full = replica("full", now, kv_blocks_free=3)
     busy = replica("busy", now, running=40, context_tokens=40 * 800)
-    router.index.insert(full.replica_id, cacheable_block_hashes(SYSTEM + [1], BS))
+    router.index.insert("full", cacheable_block_hashes(SYSTEM + [1], BS))
     scores = router.score([full, busy], router.prepare(request(SYSTEM + list(range(200)))), now)
-    assert [s.replica for s in scores] == [busy.replica_id, full.replica_id] and scores[1].kv_full
+    assert [s.replica for s in scores] == ["busy", "full"] and scores[1].kv_full
 
 
 def test_stale_reports_count_as_unknown_not_idle():
@@ -125,7 +126,7 @@ def test_index_is_bounded_and_evicts_tails_before_roots():
         index.insert("r", cacheable_block_hashes(SYSTEM + [user] * 200, BS))
     assert index.num_blocks("r") == 100
     # The shared system prompt (the roots, most recently touched) survived the eviction.
-    assert index.matched_blocks("r", cacheable_block_hashes(SYSTEM + [99], BS)) == 50
+    assert index.matched_blocks(cacheable_block_hashes(SYSTEM + [99], BS)) == {"r": 50}
     index.set_capacity("r", kv_blocks=30)  # the replica reports a smaller KV cache: the index follows
     assert index.num_blocks("r") == 30
     with pytest.raises(ValueError):
@@ -140,12 +141,12 @@ def test_turn_two_follows_turn_one_including_its_answer():
     first = route(router, reps, request(turn1, "t1"), "k1")
     answer = list(range(5000, 5120))
     router.record_answer("t1", turn1, answer)
-    on_first = router.index.matched_blocks(first, cacheable_block_hashes(turn1 + answer + [7, 8, 9], BS))
+    on_first = router.index.matched_blocks(cacheable_block_hashes(turn1 + answer + [7, 8, 9], BS))[first]
     computed = len(turn1) + len(answer) - 1  # the answer's last token is sampled, never computed
     assert on_first == computed // BS  # the answer's blocks count as cached
     # Other replicas got busier meanwhile; turn 2 still goes where turn 1 was computed.
     for r in reps:
-        if r.replica_id != first:
+        if r.replica_id.unique_id != first:
             r.routing_stats.update(running=4, context_tokens=800)
     second = router.score(reps, router.prepare(request(turn1 + answer + [7, 8, 9], "t2")), now)[0]
     assert second.replica == first and second.cached_tokens == computed // BS * BS
