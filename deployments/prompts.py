@@ -35,6 +35,8 @@ def prepare(tokenizer, request: Union[GenerateRequest, dict]) -> GenerateRequest
     try:
         if not isinstance(request, GenerateRequest):
             request = GenerateRequest.model_validate(request)
+        elif request.request_id and request.prompt_token_ids is not None:
+            return request  # prepared already (the ingress did it)
         return request.model_copy(update={
             "request_id": request.request_id or uuid.uuid4().hex,
             "prompt_token_ids": prompt_token_ids(tokenizer, request),

@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -28,6 +28,7 @@ from router.scoring import (EngineShape, Request, Routed, Report, Score, estimat
                             own_load, prefill_rate, score_replicas)
 
 _TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
+_FORGET_AFTER_S = 3600.0  # a request still counted after this long was lost without a callback
 
 
 @dataclass
@@ -49,6 +50,8 @@ class LLMRouter(RequestRouter):
         # Per replica (keyed by ReplicaID.unique_id): requests in flight in routing order, last report.
         self._inflight: Dict[str, Dict[str, Routed]] = {}
         self._reports: Dict[str, tuple] = {}  # (the stats dict Serve delivered, its Report)
+        # Internal request id -> (replica it is counted on, since when), oldest first.
+        self._tracked: "OrderedDict[str, Tuple[str, float]]" = OrderedDict()
         self._awaiting_answer: "OrderedDict[str, ReplicaID]" = OrderedDict()  # our request id -> replica
         self._mean_output_tokens: Optional[float] = None
         feedback.register(self)
@@ -61,7 +64,12 @@ class LLMRouter(RequestRouter):
             return []
         if pending_request is None:  # Serve asks without a request when it only wants any replica
             return [candidate_replicas]
-        scores = self.score(candidate_replicas, self._prepare(pending_request))
+        key = pending_request.metadata.internal_request_id
+        prepared = self._prepare(pending_request)
+        scores = self.score(candidate_replicas, prepared)
+        # Count the request on its first choice now: a burst is routed by concurrent tasks before
+        # Serve confirms any of them (on_request_routed), and each must see the ones before it.
+        self._track(key, scores[0].replica, prepared, scores[0].cached_tokens)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked = [by_id[s.replica] for s in scores]
         return [[r] for r in ranked[:_TOP_RANKS]] + ([ranked[_TOP_RANKS:]] if len(ranked) > _TOP_RANKS else [])
@@ -114,16 +122,36 @@ class LLMRouter(RequestRouter):
 
     # ---- Serve's lifecycle hooks -------------------------------------------------------------------
 
+    def _track(self, key: str, rid: str, prepared: _Prepared, cached: int) -> None:
+        """Counts request `key` as in flight on replica `rid` (moving it if counted elsewhere)."""
+        self._untrack(key)
+        now = time.time()
+        self._inflight.setdefault(rid, {})[key] = Routed(
+            now, prepared.request.prompt_tokens, prepared.request.prompt_tokens - cached)
+        self._tracked[key] = (rid, now)
+        # Oldest first: a request Serve never confirmed or completed (cancelled while queued) must
+        # not weigh on its replica for ever.
+        while self._tracked:
+            old_key, (_, since) = next(iter(self._tracked.items()))
+            if now - since < _FORGET_AFTER_S and len(self._tracked) <= self.config.max_tracked_requests:
+                break
+            self._untrack(old_key)
+
+    def _untrack(self, key: str) -> None:
+        rid, _ = self._tracked.pop(key, (None, None))
+        if rid is not None:
+            self._inflight.get(rid, {}).pop(key, None)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         key = pending_request.metadata.internal_request_id
         prepared = self._prepared.pop(key, None)
         if prepared is None:
             return
         rid = replica_id.unique_id
-        cached = min(self.index.matched_blocks(prepared.hashes).get(rid, 0) * self.shape.block_size,
-                     prepared.request.prompt_tokens - 1)
-        self._inflight.setdefault(rid, {})[key] = Routed(
-            time.time(), prepared.request.prompt_tokens, prepared.request.prompt_tokens - cached)
+        if self._tracked.get(key, (None,))[0] != rid:  # Serve sent it to another choice than the first
+            cached = min(self.index.matched_blocks(prepared.hashes).get(rid, 0) * self.shape.block_size,
+                         prepared.request.prompt_tokens - 1)
+            self._track(key, rid, prepared, cached)
         # The replica computes these blocks now: the next request sharing them should follow.
         self.index.insert(rid, prepared.hashes)
         if prepared.request_id:
@@ -131,7 +159,7 @@ class LLMRouter(RequestRouter):
             self._bound(self._awaiting_answer)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._inflight.get(replica_id.unique_id, {}).pop(internal_request_id, None)
+        self._untrack(internal_request_id)
 
     def record_answer(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """A finished answer: its blocks stay cached on the replica that computed it, and its length

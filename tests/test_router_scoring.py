@@ -158,3 +158,24 @@ def test_decision_time_at_100_replicas_is_bounded():
 
     r = time_decisions(replicas=100, prompt_tokens=2000, decisions=20)
     assert r["total_p50_us"] < 20_000, r
+
+
+def test_a_burst_spreads_before_serve_confirms_any_request():
+    """Serve routes a burst with concurrent tasks; on_request_routed comes later. Each decision must
+    still see the ones before it, or the whole burst lands on one replica."""
+    import asyncio
+
+    router, now = make_router(), time.time()
+    reps = [replica(n, now) for n in "abcd"]
+
+    def pending(i):
+        return SimpleNamespace(args=[request(list(range(i * 1000, i * 1000 + 400)), f"b{i}")],
+                               metadata=SimpleNamespace(internal_request_id=f"burst{i}"))
+
+    async def burst():
+        return [(await router.choose_replicas(reps, pending(i)))[0][0].replica_id.unique_id for i in range(8)]
+
+    firsts = asyncio.run(burst())
+    assert sorted(firsts.count(n) for n in "abcd") == [2, 2, 2, 2], firsts
+    router.on_request_completed(reps[0].replica_id, "burst0")  # completion uncounts it
+    assert sum(len(v) for v in router._inflight.values()) == 7
