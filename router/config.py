@@ -19,6 +19,9 @@ class LLMRouterConfig(BaseModel):
     max_stats_age_s: float = Field(
         5.0, gt=0, description="Replica reports older than this count as unknown (assumed as loaded as the "
         "fleet's average), never as idle.")
+    load_bound: float = Field(
+        1.25, ge=1.0, description="No replica takes a request that would put it above this times the "
+        "fleet's mean sequences per replica (bounded-load affinity), unless every replica is above it.")
     default_output_tokens: int = Field(
         128, ge=1, description="Expected answer length until answers have been seen (capped by max_tokens).")
     max_tracked_requests: int = Field(

@@ -89,7 +89,8 @@ class LLMRouter(RequestRouter):
             if loads[rid] is None:
                 own[rid] = own_load(inflight, now, self.prefill_tokens_per_s)
             cached[rid] = min(matched.get(rid, 0) * bs, most)
-        return score_replicas(self.step_model, self.shape, fill_unknown(loads, own), cached, prepared.request)
+        return score_replicas(self.step_model, self.shape, fill_unknown(loads, own), cached, prepared.request,
+                              cfg.load_bound)
 
     def _report(self, rid: str, stats: Optional[dict]) -> Optional[Report]:
         """Parsed once per report Serve delivers (a new dict each time), not once per decision."""

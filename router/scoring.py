@@ -148,18 +148,25 @@ class Score:
     replica: Hashable
     seconds: float
     kv_full: bool
+    over_bound: bool  # taking it would put the replica above `load_bound` x the fleet's mean
     cached_tokens: int
 
 
 def score_replicas(step: StepTimeModel, shape: EngineShape, loads: Dict[Hashable, Load],
-                   cached_tokens: Dict[Hashable, int], request: Request) -> List[Score]:
-    """Every replica's score, best first: replicas with room before full ones, then by expected
-    seconds; ties (an idle fleet) broken at random so they spread."""
+                   cached_tokens: Dict[Hashable, int], request: Request, load_bound: float) -> List[Score]:
+    """Every replica's score, best first: replicas with room in their KV cache first, then those
+    within the load bound, then by expected seconds; ties (an idle fleet) broken at random.
+
+    The bound is consistent hashing's "bounded loads" (Mirrokni et al., 2018) applied to affinity: a
+    replica may hold at most ceil(load_bound x (sequences in the fleet + 1) / replicas), so a hot
+    prefix cannot pile its traffic on its holder even where the step-time model finds it cheap
+    (batching many sequences costs little per step, but their tokens come slower)."""
+    capacity = math.ceil(load_bound * (sum(v.batch for v in loads.values()) + 1) / max(1, len(loads)))
     scores = []
     for r, load in loads.items():
         cached = cached_tokens.get(r, 0)
         uncached = request.prompt_tokens - cached
         scores.append(Score(r, expected_seconds(step, shape, load, uncached, request),
-                            kv_full(load, uncached, shape.block_size), cached))
-    scores.sort(key=lambda s: (s.kv_full, s.seconds, random.random()))
+                            kv_full(load, uncached, shape.block_size), load.batch + 1 > capacity, cached))
+    scores.sort(key=lambda s: (s.kv_full, s.over_bound, s.seconds, random.random()))
     return scores

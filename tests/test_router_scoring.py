@@ -79,7 +79,7 @@ def test_a_hot_prefix_spreads_instead_of_pinning_one_replica():
     reps = [replica(n, now, age_s=0.01) for n in "abcd"]
     chosen = [route(router, reps, request(SYSTEM + [i, i + 1], f"u{i}"), f"k{i}") for i in range(40)]
     counts = {name: chosen.count(name) for name in "abcd"}
-    assert max(counts.values()) <= 1.5 * (40 / 4), counts
+    assert max(counts.values()) <= 1.25 * (40 / 4) + 1, counts  # the load bound
     held = router.index.matched_blocks(cacheable_block_hashes(SYSTEM + [0, 1], BS))
     assert held == {name: 50 for name in "abcd"}  # every replica now holds the prefix
 
@@ -140,6 +140,7 @@ def test_turn_two_follows_turn_one_including_its_answer():
     turn1 = list(range(2000, 2100))
     first = route(router, reps, request(turn1, "t1"), "k1")
     answer = list(range(5000, 5120))
+    router.on_request_completed(next(r.replica_id for r in reps if r.replica_id.unique_id == first), "k1")
     router.record_answer("t1", turn1, answer)
     on_first = router.index.matched_blocks(cacheable_block_hashes(turn1 + answer + [7, 8, 9], BS))[first]
     computed = len(turn1) + len(answer) - 1  # the answer's last token is sampled, never computed
