@@ -10,7 +10,7 @@ import json
 import time
 from typing import AsyncIterator, Optional, Union
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -28,6 +28,7 @@ from deployments.prompts import prepare
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo
 from router import feedback
 
+REPLICA_HEADER = "X-Iterserve-Replica"  # which LLM replica served the request (routing is observable)
 api = FastAPI(title="iterserve", description="OpenAI-compatible LLM serving on Ray Serve")
 
 
@@ -125,12 +126,13 @@ class OpenAIIngress:
                                          simulation=info.simulation)])
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, response: Response):
         rid, created = new_id("chatcmpl"), int(time.time())
         request = self._to_generate(body, rid)
         if body.stream:
             return await self._stream_response(request, self._chat_events(body, rid, created))
         out = await self.generate(request)
+        response.headers[REPLICA_HEADER] = out.replica_id
         return ChatCompletion(
             id=rid, created=created, model=self.model_name,
             choices=[ChatChoice(message=ChatMessageOut(content=out.text), finish_reason=out.finish_reason,
@@ -139,12 +141,13 @@ class OpenAIIngress:
         )
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, response: Response):
         rid, created = new_id("cmpl"), int(time.time())
         request = self._to_generate(body, rid)
         if body.stream:
             return await self._stream_response(request, self._completion_events(body, rid, created))
         out = await self.generate(request)
+        response.headers[REPLICA_HEADER] = out.replica_id
         return Completion(
             id=rid, created=created, model=self.model_name,
             choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
@@ -175,7 +178,7 @@ class OpenAIIngress:
         except Exception as e:
             raise self._api_error(e) from None
         return StreamingResponse(self._relay(request, gen, first, events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", REPLICA_HEADER: first.replica_id})
 
     async def _relay(self, request: GenerateRequest, gen, first: GenerateChunk, events) -> AsyncIterator[str]:
         """Chunks -> SSE text. A client disconnect cancels this generator, which cancels `gen`

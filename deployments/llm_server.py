@@ -71,7 +71,7 @@ class LLMServer:
             request_id=out.request_id, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
             logprobs=self._logprobs(out.logprobs) if out.logprobs is not None else None,
             prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-            cached_tokens=out.num_cached_tokens,
+            cached_tokens=out.num_cached_tokens, replica_id=self.replica_id,
         )
 
     def model_info(self) -> ModelInfo:
@@ -138,7 +138,7 @@ class LLMServer:
             request_id=d.request_id, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
             logprobs=self._logprobs(d.logprobs) if d.logprobs else None,
             prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated_tokens,
-            cached_tokens=d.num_cached_tokens,
+            cached_tokens=d.num_cached_tokens, replica_id=self.replica_id,
         )
 
     def _text_of(self, token_id: int) -> str:

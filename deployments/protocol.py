@@ -79,6 +79,7 @@ class _GenerateOutput(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the replica's prefix cache supplied
+    replica_id: Optional[str] = None  # the LLM replica that served it (HTTP: header X-Iterserve-Replica)
 
 
 class GenerateChunk(_GenerateOutput):

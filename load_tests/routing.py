@@ -8,8 +8,8 @@ HTTP, streaming chat with usage:
 - shared: users in multi-turn chats over a few long system prompts;
 - skew:   the same, one system prompt taking half the users;
 - unique: one-turn chats with a prompt of their own (nothing to share).
-Reports cached-token share, TTFT p50/p90, output tokens/s and the mean over time of max/mean
-in-flight requests per replica; writes JSON. Bounded: fixed sessions, a timeout per run.
+Reports cached-token share, TTFT p50/p90, output tokens/s and the time-weighted max/mean of in-flight
+requests per replica (from the X-Iterserve-Replica header of each answer); writes JSON. Bounded: fixed sessions, a timeout per run.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import json
 import random
 import socket
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -64,6 +63,7 @@ async def chat(client, url: str, session: dict, max_tokens: int, records: List[d
             if r.status_code != 200:
                 records.append({"status": r.status_code})
                 return
+            replica = r.headers.get("x-iterserve-replica")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -71,45 +71,34 @@ async def chat(client, url: str, session: dict, max_tokens: int, records: List[d
                 event = json.loads(line[6:])
                 usage = event.get("usage") or usage
                 answer += [c["delta"].get("content") or "" for c in event.get("choices", [])]
-        records.append({"status": 200, "ttft_s": ttft, "e2e_s": time.perf_counter() - t0,
+        end = time.perf_counter()
+        records.append({"status": 200, "ttft_s": ttft, "e2e_s": end - t0, "start_s": t0, "end_s": end, "replica": replica,
                         "prompt_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                         "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
-class InflightSampler:
-    """Samples running + waiting requests of every replica (LLMServer.stats) every `period_s`."""
-
-    def __init__(self, app: str, replicas: int, period_s: float = 0.5):
-        from ray import serve
-
-        self.handle = serve.get_deployment_handle("LLMServer", app)
-        self.replicas, self.period_s, self.ratios = replicas, period_s, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            seen: Dict[str, int] = {}
-            for _ in range(8 * self.replicas):
-                s = self.handle.stats.remote().result()
-                seen[s["replica_id"]] = s["running"] + s["waiting"]
-                if len(seen) == self.replicas:
-                    break
-            loads = list(seen.values()) + [0] * (self.replicas - len(seen))
-            if sum(loads):
-                self.ratios.append(max(loads) / statistics.mean(loads))
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+def inflight_imbalance(records: List[dict], num_replicas: int) -> Optional[float]:
+    """Time-weighted mean of max/mean in-flight requests per replica, from when each request was in
+    flight and which replica served it (X-Iterserve-Replica), over the time any was in flight.
+    Replicas that served nothing count as idle ones."""
+    replicas = sorted({r["replica"] for r in records if r.get("replica")})
+    if not replicas:
+        return None
+    events = sorted([(r["start_s"], 1, r["replica"]) for r in records if r.get("replica")] +
+                    [(r["end_s"], -1, r["replica"]) for r in records if r.get("replica")])
+    count, weighted, total, last = dict.fromkeys(replicas, 0), 0.0, 0.0, events[0][0]
+    for t, delta, replica in events:
+        n = sum(count.values())
+        if n:
+            weighted += (t - last) * max(count.values()) / (n / max(num_replicas, len(replicas)))
+            total += t - last
+        count[replica] += delta
+        last = t
+    return weighted / total if total else None
 
 
-def summarize(records: List[dict], wall_s: float, inflight: List[float]) -> dict:
+def summarize(records: List[dict], wall_s: float, num_replicas: int) -> dict:
     ok = [r for r in records if r["status"] == 200]
     ttft = sorted(r["ttft_s"] * 1000 for r in ok)
     pct = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))]  # noqa: E731
@@ -118,7 +107,7 @@ def summarize(records: List[dict], wall_s: float, inflight: List[float]) -> dict
             "cached_share": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
             "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p90": pct(0.9),
             "output_tokens_per_s": sum(r["output_tokens"] for r in ok) / wall_s, "wall_s": wall_s,
-            "inflight_max_over_mean": statistics.mean(inflight) if inflight else None}
+            "inflight_max_over_mean": inflight_imbalance(ok, num_replicas)}
 
 
 def app_config(args, router_class: Optional[str], replicas: int) -> dict:
@@ -149,11 +138,9 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str) -> Di
                 async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client:
                     await asyncio.wait_for(asyncio.gather(*(chat(client, url, s, args.max_tokens, records)
                                                             for s in work)), args.timeout_s)
-            with InflightSampler(app, replicas) as sampler:
-                t0 = time.perf_counter()
-                asyncio.run(go())
-                wall = time.perf_counter() - t0
-            results.setdefault(kind, {})[name] = summarize(records, wall, sampler.ratios)
+            t0 = time.perf_counter()
+            asyncio.run(go())
+            results.setdefault(kind, {})[name] = summarize(records, time.perf_counter() - t0, replicas)
             print(f"  {replicas} replicas, {name:20s} {kind:7s} {results[kind][name]}", flush=True)
         serve.delete(app)
     return results

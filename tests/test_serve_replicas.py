@@ -30,11 +30,15 @@ def test_two_replicas_both_serve_traffic(tiny_app):
                             json={"prompt": f"request {i}", "max_tokens": 64, "ignore_eos": True})
                 for i in range(16)))
 
-    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    responses = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in responses)
     after = replica_stats("tiny")
     served = {rid: after[rid]["finished_requests"] - before[rid]["finished_requests"] for rid in after}
     assert sum(served.values()) == 16
     assert all(n > 0 for n in served.values()), served
+    # Each answer names the replica that served it, and the names add up to the replicas' counts.
+    by_header = [r.headers["x-iterserve-replica"] for r in responses]
+    assert {rid: by_header.count(rid) for rid in served} == served
 
 
 def test_disconnect_mid_stream_frees_kv_blocks(tiny_app):
