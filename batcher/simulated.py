@@ -79,14 +79,15 @@ PRESETS: Dict[str, SimPreset] = {
         num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
         kv_cache_memory_gib=54.0, mean_answer_tokens=256,
     ),
-    # SmolLM2-135M-Instruct, fp32, this project's engine on 2 CPU cores (2 torch threads), fitted by
-    # least squares to step times of the real engine measured here with
-    # `python -m load_tests.calibrate_sim` (2026-11-22): decode batches of 1-64 at contexts 64-512
-    # and prefill chunks of 16-512 tokens. The KV geometry is SmolLM2's (30 layers, 3 KV heads of 64).
+    # SmolLM2-135M-Instruct, fp32, this project's engine on 2 CPU cores (2 torch threads), fitted to
+    # 170 step times of the real engine measured here on a quiet machine with
+    # `python -m load_tests.calibrate_sim` (2026-11-22; decode batches of 1-64, prompts of 32 and 192
+    # tokens, prefill chunks up to 512): mean relative error 6.7%. SmolLM2's KV geometry (30 layers,
+    # 3 KV heads of 64).
     "cpu-smollm2": SimPreset(
         name="cpu-smollm2",
         description="SmolLM2-135M fp32 on 2 CPU cores (fitted to this engine's measured steps)",
-        step=StepTimeModel(fixed_s=40e-3, prefill_token_s=2.6e-3, decode_seq_s=2.8e-3, context_token_s=2.0e-6),
+        step=StepTimeModel(fixed_s=57.5e-3, prefill_token_s=1.5e-3, decode_seq_s=2.13e-3, context_token_s=13.8e-6),
         num_layers=30, num_kv_heads=3, head_dim=64, kv_dtype="float32", max_model_len=2048,
         kv_cache_memory_gib=1.0, mean_answer_tokens=64,
     ),

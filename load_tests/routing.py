@@ -79,9 +79,10 @@ async def chat(client, url: str, session: dict, max_tokens: int, records: List[d
 
 
 def inflight_imbalance(records: List[dict], num_replicas: int) -> Optional[float]:
-    """Time-weighted mean of max/mean in-flight requests per replica, from when each request was in
-    flight and which replica served it (X-Iterserve-Replica), over the time any was in flight.
-    Replicas that served nothing count as idle ones."""
+    """Max/mean in-flight requests per replica, averaged over time weighted by the requests in flight
+    (an imbalance matters when there is load: the tail of a run, one request left on one replica,
+    weighs little), from when each request was in flight and which replica served it
+    (X-Iterserve-Replica). Replicas that served nothing count as idle ones."""
     replicas = sorted({r["replica"] for r in records if r.get("replica")})
     if not replicas:
         return None
@@ -90,9 +91,9 @@ def inflight_imbalance(records: List[dict], num_replicas: int) -> Optional[float
     count, weighted, total, last = dict.fromkeys(replicas, 0), 0.0, 0.0, events[0][0]
     for t, delta, replica in events:
         n = sum(count.values())
-        if n:
-            weighted += (t - last) * max(count.values()) / (n / max(num_replicas, len(replicas)))
-            total += t - last
+        if n:  # dt x n x (max / mean) = dt x max x replicas
+            weighted += (t - last) * max(count.values()) * max(num_replicas, len(replicas))
+            total += (t - last) * n
         count[replica] += delta
         last = t
     return weighted / total if total else None
