@@ -41,6 +41,7 @@ class AsyncLLMEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.max_request_tokens = self.engine.max_request_tokens
+        self.simulation = self.engine.simulation  # the SimPreset of a simulated replica, else None
 
     # -- the loop thread ----------------------------------------------------------------------
     def _run(self, ready: threading.Event) -> None:

@@ -70,9 +70,12 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
     router = _check(lambda: RequestRouterConfig(**cfg.router.to_serve()), "args.router.request_router_class")
     if cfg.router.request_router_class and issubclass(router.get_request_router_class(), LLMRouter):
         e = cfg.engine
-        kwargs = {"cost_model": default_cost_model(e), **cfg.router.request_router_kwargs,
-                  "block_size": e.block_size, "max_num_batched_tokens": e.max_num_batched_tokens,
-                  "max_num_seqs": e.max_num_seqs}
+        shape = {"block_size": e.block_size, "max_num_batched_tokens": e.max_num_batched_tokens,
+                 "max_num_seqs": e.max_num_seqs}
+        for key in shape.keys() & cfg.router.request_router_kwargs.keys():
+            raise ConfigError(f"invalid iterserve config at `args.router.request_router_kwargs.{key}`: "
+                              f"set from `args.engine.{key}`, so the router hashes blocks as replicas cache them")
+        kwargs = {"cost_model": default_cost_model(e), **cfg.router.request_router_kwargs, **shape}
         kwargs = _check(lambda: LLMRouterConfig.model_validate(kwargs), "args.router.request_router_kwargs")
         router.request_router_kwargs = kwargs.model_dump()
     return router

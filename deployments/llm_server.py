@@ -36,8 +36,8 @@ class LLMServer:
         self.open_streams = 0
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.simulation = None
-        if self.engine.engine.simulation:
-            preset = self.engine.engine.simulation
+        preset = self.engine.simulation
+        if preset is not None:
             self.simulation = f"simulated replica ({preset.name}: {preset.description}); not a real model"
             logging.getLogger("ray.serve").warning("SIMULATION: %s", self.simulation)
         # The longest prompt + max_tokens the engine admits (context window or KV capacity).

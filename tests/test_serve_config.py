@@ -20,6 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
     ({"ingress": {"overload_status_code": 500}}, "args.ingress.overload_status_code"),
     ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "args.autoscaling"),
     ({"router": {"request_router_class": "no_such_module:Router"}}, "args.router.request_router_class"),
+    ({"router": {"request_router_class": "router:LLMRouter", "request_router_kwargs": {"load_bond": 2}}},
+     "args.router.request_router_kwargs.load_bond"),
+    ({"router": {"request_router_class": "router:LLMRouter", "request_router_kwargs": {"cost_model": "tpu"}}},
+     "args.router.request_router_kwargs.cost_model"),
+    ({"engine": {"model": "sim:nope"}}, "args.engine.model"),
+    ({"router": {"request_router_class": "router:LLMRouter", "request_router_kwargs": {"block_size": 4}}},
+     "args.router.request_router_kwargs.block_size"),
 ])
 def test_bad_config_names_the_field(args, field):
     with pytest.raises(ConfigError, match=f"`{field}`"):
@@ -45,6 +52,18 @@ def test_options_follow_the_config():
         build_app({"autoscaling": {"policy": "no_such_module:policy"}})
 
 
+def test_llm_router_hashes_blocks_as_the_engine_caches_them():
+    """LLMRouter's kwargs get the engine's shape, and the simulated preset's step times."""
+    cfg = load_config({"engine": {"model": "sim:h100-llama3-8b", "block_size": 16, "max_num_seqs": 32},
+                       "router": {"request_router_class": "router:LLMRouter",
+                                  "request_router_kwargs": {"load_bound": 1.5}}})
+    kwargs = llm_deployment_options(cfg)["request_router_config"].request_router_kwargs
+    assert (kwargs["block_size"], kwargs["max_num_seqs"], kwargs["load_bound"]) == (16, 32, 1.5)
+    assert kwargs["cost_model"] == "h100-llama3-8b"
+    cpu = llm_deployment_options(load_config({"router": {"request_router_class": "router:LLMRouter"}}))
+    assert cpu["request_router_config"].request_router_kwargs["cost_model"] == "cpu-smollm2"
+
+
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
 def test_shipped_serve_configs_are_valid(name):
     raw = yaml.safe_load((ROOT / name).read_text())
@@ -52,6 +71,8 @@ def test_shipped_serve_configs_are_valid(name):
     (app,) = schema.applications
     assert app.import_path == "deployments.app:build_app"
     cfg = load_config(app.args)
+    assert cfg.router.request_router_class == "router:LLMRouter"
+    llm_deployment_options(cfg)  # the router's kwargs validate too
     if name == "serve_config.gpu.yaml":
         assert cfg.replica.num_gpus == 1 and cfg.engine.device == "cuda"
     else:
