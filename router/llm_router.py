@@ -12,6 +12,7 @@ is made per request: reports arrive through Serve's routing stats, everything el
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -64,6 +65,10 @@ class LLMRouter(RequestRouter):
             return []
         if pending_request is None:  # Serve asks without a request when it only wants any replica
             return [candidate_replicas]
+        if not hasattr(next(iter(pending_request.args), None), "prompt_token_ids"):
+            # Not a generation (stats, model info): it costs nothing, and a caller polling every
+            # replica must reach the busy ones too, so any replica at random.
+            return [[r] for r in random.sample(candidate_replicas, len(candidate_replicas))]
         key = pending_request.metadata.internal_request_id
         prepared = self._prepare(pending_request)
         scores = self.score(candidate_replicas, prepared)

@@ -93,6 +93,23 @@ def test_a_full_kv_cache_ranks_last_even_with_the_prefix():
     assert [s.replica for s in scores] == ["busy", "full"] and scores[1].kv_full
 
 
+def test_calls_that_are_not_generations_reach_every_replica_even_full_ones():
+    """stats() has no prompt: no scoring, no tracking; any replica, so a poller reaches the busy ones."""
+    import asyncio
+
+    router, now = make_router(), time.time()
+    reps = [replica("full", now, kv_blocks_free=0)] + [replica(n, now) for n in "abc"]
+    stats_call = SimpleNamespace(args=(), metadata=SimpleNamespace(internal_request_id="s"))
+    firsts = set()
+    for _ in range(200):
+        groups = asyncio.run(router.choose_replicas(reps, stats_call))
+        assert sorted(g[0].replica_id.unique_id for g in groups) == ["a", "b", "c", "full"]
+        firsts.add(groups[0][0].replica_id.unique_id)
+    assert firsts == {"a", "b", "c", "full"} and not router._tracked
+    generation = SimpleNamespace(args=(request(list(range(64))),), metadata=SimpleNamespace(internal_request_id="g"))
+    assert asyncio.run(router.choose_replicas(reps, generation))[-1] == [reps[0]]  # the full one ranks last
+
+
 def test_stale_reports_count_as_unknown_not_idle():
     now = time.time()
     stale = Report.parse(replica("s", now, age_s=30).routing_stats)
