@@ -4,6 +4,7 @@ serve_config.yaml points its `import_path` here and passes AppConfig's fields as
 """
 from __future__ import annotations
 
+import warnings
 from typing import Union
 
 import pydantic
@@ -11,6 +12,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 from ray.serve.config import RequestRouterConfig
 
+from cluster.shutdown import graceful_timeout_s
 from deployments.config import AppConfig
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
@@ -31,6 +33,10 @@ def _check(fn, what: str):
         raise ConfigError(f"invalid iterserve config at `{what}`: {e}") from None
 
 
+def _runtime_env(env: dict) -> dict:
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def load_config(args: Union[AppConfig, dict, None]) -> AppConfig:
     if isinstance(args, AppConfig):
         return args
@@ -42,24 +48,41 @@ def llm_deployment_options(cfg: AppConfig) -> dict:
     actor_options: dict = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus}
     if r.memory_gib:
         actor_options["memory"] = int(r.memory_gib * 2**30)
-    if r.env_vars:
-        actor_options["runtime_env"] = {"env_vars": dict(r.env_vars)}
+    env = {**metric_push_env(cfg), **r.env_vars}
+    if env:
+        actor_options["runtime_env"] = {"env_vars": env}
     options = {
         "ray_actor_options": actor_options,
         "max_ongoing_requests": r.max_ongoing_requests,
         "max_queued_requests": r.max_queued_requests,
         "health_check_period_s": r.health_check_period_s,
         "health_check_timeout_s": r.health_check_timeout_s,
+        # A leaving replica finishes its streams first (scale-down and redeploys lose nothing).
+        "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s,
+        "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s
+        or graceful_timeout_s(cfg.engine, r.shutdown_token_s, r.graceful_shutdown_wait_loop_s),
         # Serve validates the router class (it imports it) and autoscaling bounds here, at deploy.
         "request_router_config": _check(lambda: RequestRouterConfig(**cfg.router.to_serve()), "args.router.request_router_class"),
     }
     if cfg.autoscaling is not None:
         auto = cfg.autoscaling.to_serve()
-        _check(lambda: ServeAutoscalingConfig(**auto), "args.autoscaling")
+        with warnings.catch_warnings():  # metrics_interval_s is "deprecated" yet the only knob 2.60 reads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _check(lambda: ServeAutoscalingConfig(**auto), "args.autoscaling")
         options["autoscaling_config"] = auto  # num_replicas must stay unset then
     else:
         options["num_replicas"] = r.num_replicas
     return options
+
+
+def metric_push_env(cfg: AppConfig) -> dict:
+    """Serve's push-interval variables for processes holding handles or serving replicas. Ray 2.60
+    takes the interval from autoscaling_config.metrics_interval_s; later versions read these."""
+    if cfg.autoscaling is None:
+        return {}
+    interval = str(cfg.autoscaling.metrics_interval_s)
+    return {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": interval,
+            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": interval}
 
 
 def build_app(args: dict) -> Application:
@@ -71,6 +94,6 @@ def build_app(args: dict) -> Application:
     ing = cfg.ingress
     ingress = OpenAIIngress.options(
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
-        ray_actor_options={"num_cpus": ing.num_cpus},
+        ray_actor_options={"num_cpus": ing.num_cpus, **_runtime_env(metric_push_env(cfg))},
     )
     return ingress.bind(llm, cfg.model_name, ing.overload_status_code, ing.retry_after_s)
