@@ -9,16 +9,18 @@ What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged 
 `preemptions` per second. From the callers' handles: `total_num_requests` (running + queued) and
 `total_queued_requests` (queued at handles, no replica yet).
 
-    demand    = requests in the system (running + waiting in engines + queued at handles)
-    capacity  = target_running per replica, running ones and starting ones alike (capacity on the
+    queue     = requests waiting in engines + queued at handles; expected wait = queue / completions per s
+    capacity  = target_running sequences per replica, running and starting ones alike (capacity on the
                 way: a burst is not counted twice while its replicas start); a replica whose KV cache
                 is full or that preempted counts only what it runs now (it admits no more)
-    up        : demand > capacity -> straight to the count that covers it (no per-step ramp);
-                and when the queue's expected wait (queue / measured completions per second) exceeds
-                max_queue_wait_s -> enough replicas to bring that wait back under it
-    down      : one replica at a time, only when the fleet without it keeps headroom (demand under
-                downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure)
-                for downscale_dwell_s in a row; the dwell restarts after each removal and each rise
+    up        : running sequences over capacity -> straight to the count that covers them; and when
+                the expected wait exceeds max_queue_wait_s, enough replicas for the arrival rate
+                (completions + growth of the queue) plus draining the queue within queue_drain_s, at the
+                measured service time (Little: running / completions per s) and target_running each
+    down      : one replica at a time, only when the fleet without it keeps headroom (requests under
+                downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure):
+                the first removal after a rise waits downscale_dwell_s, the next ones downscale_step_s
+                each (fresh metrics showing the headroom still holds)
     zero      : with min_replicas 0, the last replica leaves after scale_to_zero_dwell_s with no
                 request at all; requests that arrive then wait at the handles while Serve's cold start
                 path brings one replica back
@@ -36,7 +38,9 @@ SERVE_POLICY_PATH = "ray.serve.autoscaling_policy:replica_queue_length_autoscali
 
 # Metric names LLMServer.record_autoscaling_stats reports.
 RUNNING, WAITING, KV_USAGE, FINISHED, PREEMPTIONS = "running", "waiting", "kv_usage", "finished", "preemptions"
-_LOW_SINCE = "iterserve_low_since"  # policy_state key: when the fleet first had headroom without one replica
+_LOW_SINCE = "iterserve_low_since"  # policy_state: when the fleet last started having headroom
+_STEPPING = "iterserve_stepping_down"  # policy_state: a removal happened since the last rise
+_HISTORY = "iterserve_demand"  # policy_state: recent (time, requests in the system), for the growth rate
 
 
 class QueueDepthPolicyConfig(BaseModel):
@@ -50,12 +54,18 @@ class QueueDepthPolicyConfig(BaseModel):
         "room for a burst to land while new replicas start).")
     max_queue_wait_s: float = Field(
         2.0, gt=0, description="Expected queue wait (queued / measured completions per second) above "
-        "which replicas are added to bring it back under.")
+        "which replicas are added for the arrival rate plus draining the queue.")
+    queue_drain_s: float = Field(
+        60.0, gt=0, description="Time a grown queue should take to drain once replicas are added: "
+        "shorter buys more replicas for a backlog that is gone once they start.")
     kv_high: float = Field(0.9, gt=0, le=1, description="KV usage at which a replica counts as full.")
     downscale_headroom: float = Field(
         0.8, gt=0, le=1, description="Remove a replica only if demand stays under this share of the "
         "smaller fleet's capacity (the band between up and down stops oscillation).")
-    downscale_dwell_s: float = Field(60.0, ge=0, description="Headroom held this long before each removal.")
+    downscale_dwell_s: float = Field(60.0, ge=0, description="Headroom held this long before the first "
+                                     "removal after a rise.")
+    downscale_step_s: float = Field(5.0, ge=0, description="Headroom held this long before each further "
+                                    "removal (one replica each).")
     scale_to_zero_dwell_s: float = Field(
         300.0, ge=0, description="No request at all for this long before the last replica leaves "
         "(only with min_replicas 0).")
@@ -89,8 +99,10 @@ class QueueDepthPolicy:
         raw = ctx.raw_metrics or {}
         running, waiting, kv = metrics.get(RUNNING, {}), metrics.get(WAITING, {}), metrics.get(KV_USAGE, {})
         queued = sum(waiting.values()) + (ctx.total_queued_requests or 0.0)
+        in_flight = sum(running.values())
         # Handles see every request; the replicas' own reports are a floor (a caller without metrics).
-        demand = max(ctx.total_num_requests or 0.0, sum(running.values()) + queued)
+        demand = max(ctx.total_num_requests or 0.0, in_flight + queued)
+        growth = self._growth(state, now, demand)
 
         pressured = {r for r in ctx.running_replicas
                      if kv.get(r, 0.0) >= c.kv_high or (_rate(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0}
@@ -99,22 +111,35 @@ class QueueDepthPolicy:
         capacity += starting * c.target_running
 
         desired = target
-        if demand > capacity:  # a burst goes straight to the count that covers it
-            desired = target + math.ceil((demand - capacity) / c.target_running - 1e-9)
-        rates = [_rate(raw.get(FINISHED, {}).get(r)) for r in ctx.running_replicas]
-        per_replica = [x for x in rates if x is not None]
-        if queued > 0 and per_replica and sum(per_replica) > 0:
-            # Expected wait once the starting replicas serve too (each at the measured mean rate).
-            fleet_rate = sum(per_replica) / len(per_replica) * max(target, 1)
-            wait = queued / fleet_rate
-            if wait > c.max_queue_wait_s:
-                desired = max(desired, math.ceil(max(target, 1) * wait / c.max_queue_wait_s))
+        if in_flight > capacity:  # straight to the count that covers what runs now
+            desired = target + math.ceil((in_flight - capacity) / c.target_running - 1e-9)
+        rates = [x for x in (_rate(raw.get(FINISHED, {}).get(r)) for r in ctx.running_replicas) if x is not None]
+        completions = sum(rates)
+        if queued > 0:
+            if completions > 0 and in_flight > 0:
+                if queued / completions > c.max_queue_wait_s:
+                    service_s = in_flight / completions  # Little's law, per request on a replica
+                    arrivals = completions + max(0.0, growth)
+                    need = (arrivals + queued / c.queue_drain_s) * service_s / c.target_running
+                    desired = max(desired, math.ceil(need - 1e-9))
+            elif demand > capacity:  # nothing measured yet (a first burst): count the queue as load
+                desired = max(desired, target + math.ceil((demand - capacity) / c.target_running - 1e-9))
 
         if desired > target or queued > 0 or pressured:
-            state[_LOW_SINCE] = None
+            state[_LOW_SINCE], state[_STEPPING] = None, False
         else:
             desired = self._maybe_step_down(target, demand, lo, now, state)
         return max(lo, min(hi, desired)), state
+
+    @staticmethod
+    def _growth(state: dict, now: float, demand: float, span_s: float = 5.0) -> float:
+        """Requests per second the system gained over the last ~span_s (queue growth = arrivals
+        beyond what completes)."""
+        history = [h for h in state.get(_HISTORY, []) if now - h[0] <= 2 * span_s] + [(now, demand)]
+        state[_HISTORY] = history
+        old = [h for h in history if now - h[0] >= span_s]
+        t0, d0 = old[-1] if old else history[0]
+        return (demand - d0) / (now - t0) if now > t0 else 0.0
 
     def _maybe_step_down(self, target: int, demand: float, lo: int, now: float, state: dict) -> int:
         c = self.cfg
@@ -129,9 +154,11 @@ class QueueDepthPolicy:
         since = state.get(_LOW_SINCE)
         if since is None:
             state[_LOW_SINCE] = since = now
-        dwell = c.scale_to_zero_dwell_s if smaller == 0 else c.downscale_dwell_s
+        dwell = c.downscale_step_s if state.get(_STEPPING) else c.downscale_dwell_s
+        if smaller == 0:
+            dwell = c.scale_to_zero_dwell_s
         if now - since >= dwell:
-            state[_LOW_SINCE] = None  # the next removal waits a whole dwell again
+            state[_LOW_SINCE], state[_STEPPING] = None, True  # the next removal re-checks on fresh metrics
             return smaller
         return target
 
