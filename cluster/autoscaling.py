@@ -17,6 +17,7 @@ What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged 
                 the expected wait exceeds max_queue_wait_s, enough replicas for the arrival rate
                 (completions + growth of the queue) plus draining the queue within queue_drain_s, at the
                 measured service time (Little: running / completions per s) and target_running each
+                (or what replicas actually run, when they queue below it)
     down      : one replica at a time, only when the fleet without it keeps headroom (requests under
                 downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure):
                 the first removal after a rise waits downscale_dwell_s, the next ones downscale_step_s
@@ -113,14 +114,21 @@ class QueueDepthPolicy:
         desired = target
         if in_flight > capacity:  # straight to the count that covers what runs now
             desired = target + math.ceil((in_flight - capacity) / c.target_running - 1e-9)
-        rates = [x for x in (_rate(raw.get(FINISHED, {}).get(r)) for r in ctx.running_replicas) if x is not None]
-        completions = sum(rates)
+        # Replicas with a measured completion rate (a replica that just started has none yet).
+        measured = {r: x for r in ctx.running_replicas if (x := _rate(raw.get(FINISHED, {}).get(r))) is not None}
+        completions = sum(measured.values())
+        busy = sum(running.get(r, 0.0) for r in measured)
         if queued > 0:
-            if completions > 0 and in_flight > 0:
+            if completions > 0 and busy > 0:
                 if queued / completions > c.max_queue_wait_s:
-                    service_s = in_flight / completions  # Little's law, per request on a replica
+                    service_s = busy / completions  # Little's law, per request on a replica
                     arrivals = completions + max(0.0, growth)
-                    need = (arrivals + queued / c.queue_drain_s) * service_s / c.target_running
+                    # Replicas that queue below target_running (long prompts, KV) run what they run.
+                    per_replica = min(c.target_running, busy / len(measured))
+                    # The backlog is drained by the replicas on the way: only once none is starting
+                    # does a remaining backlog ask for more (else it grows the target every tick).
+                    backlog = queued / c.queue_drain_s if starting == 0 else 0.0
+                    need = (arrivals + backlog) * service_s / per_replica
                     desired = max(desired, math.ceil(need - 1e-9))
             elif demand > capacity:  # nothing measured yet (a first burst): count the queue as load
                 desired = max(desired, target + math.ceil((demand - capacity) / c.target_running - 1e-9))

@@ -110,7 +110,7 @@ def check_targets(s: Dict[str, dict]) -> List[dict]:
         ("replica-seconds / clairvoyant", q["replica_seconds"] / c["replica_seconds"],
          f"<= {TARGETS['x_clairvoyant']}", q["replica_seconds"] / c["replica_seconds"] <= TARGETS["x_clairvoyant"]),
         ("reversals per 10 min, steady load", q["reversals_per_10min_steady"], f"<= {TARGETS['reversals_per_10min']}",
-         (q["reversals_per_10min_steady"] or 0) <= TARGETS["reversals_per_10min"]),
+         q["reversals_per_10min_steady"] is not None and q["reversals_per_10min_steady"] <= TARGETS["reversals_per_10min"]),
     ]
     return [{"target": n, "value": v, "bound": b, "met": bool(m)} for n, v, b, m in rows]
 
@@ -167,7 +167,8 @@ def main(argv=None) -> int:
         checks = check_targets(s)
         print(table(startup, s) + f"\n({time.time() - t0:.0f} s to simulate)")
         for c in checks:
-            print(f"  {c['target']:<42} {c['value']:>8.3f}  (target {c['bound']})  {'met' if c['met'] else 'MISSED'}")
+            value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
+            print(f"  {c['target']:<42} {value:>8}  (target {c['bound']})  {'met' if c['met'] else 'MISSED'}")
         run = {"startup_s": startup, "policies": s, "targets": checks}
         if not args.no_plot:
             from cluster.plots import plot_run

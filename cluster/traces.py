@@ -88,9 +88,10 @@ def day_trace(peak_rps: float = 3000.0, hours: float = 4.0) -> Trace:
         order = np.argsort(tt)
         trace.t_s, trace.rate_rps = tt[order], rr[order]
 
-    bump(7.5 * 3600 * k, 10.0, 180.0, 2.5)    # flash crowd on the morning ramp
-    bump(15.0 * 3600 * k, 5.0, 60.0, 2.0)     # short spike in the afternoon
-    bump(16.5 * 3600 * k, 30.0, 1200.0, 1.4)  # a step up that holds
+    b = min(1.0, hours / 4.0)  # burst lengths as in the 4-hour day, shorter in shorter ones
+    bump(7.5 * 3600 * k, 10.0 * b, 180.0 * b, 2.5)    # flash crowd on the morning ramp
+    bump(15.0 * 3600 * k, 5.0 * b, 60.0 * b, 2.0)     # short spike in the afternoon
+    bump(16.5 * 3600 * k, 30.0 * b, 1200.0 * b, 1.4)  # a step up that holds
     trace.steady = [(3 * 3600 * k, 5 * 3600 * k), (10 * 3600 * k, 13 * 3600 * k)]
     return trace
 

@@ -70,11 +70,15 @@ def test_engine_queue_and_handle_queue_both_count():
 
 
 def test_expected_queue_wait_from_measured_throughput_adds_replicas():
-    # Replicas cap out at 4 running (long prompts) though sized for 10: demand 20 fits the count, but
-    # 12 queued at 1 req/s per replica is a 6 s wait; under 2 s needs 6 replicas.
-    p = policy(max_queue_wait_s=2.0)
-    n, _ = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[1.0, 1.0]))
-    assert n == 6
+    # Replicas cap out at 4 running (long prompts) though sized for 10: by count 20 requests fit, but
+    # 12 queued at 1 req/s per replica is a 6 s wait. Service time 4 s (Little), 4 per replica:
+    # (2 req/s + 12 / 60 s drain) x 4 s / 4 = 2.2 -> 3 replicas.
+    p = policy(max_queue_wait_s=2.0, queue_drain_s=60.0)
+    n, state = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[1.0, 1.0], now=0))
+    assert n == 3
+    # The queue grows by 10 in 5 s: arrivals are 2 + 2 req/s -> (4 + 22 / 60) x 4 / 4 = 4.4 -> 5.
+    n, _ = p(ctx(2, running=[4, 4], waiting=[11, 11], finished=[1.0, 1.0], now=5, state=state))
+    assert n == 5
     # The same queue served fast (10 req/s per replica): 0.6 s wait, no replica added.
     n, _ = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[10.0, 10.0]))
     assert n == 2
@@ -93,7 +97,7 @@ def test_kv_pressure_caps_a_replicas_capacity():
 
 
 def test_scale_down_one_at_a_time_after_a_dwell_and_only_with_headroom():
-    p = policy(downscale_dwell_s=60, downscale_headroom=0.8)
+    p = policy(downscale_dwell_s=60, downscale_step_s=5, downscale_headroom=0.8)
     state: dict = {}
     # 5 replicas, 10 requests: 4 replicas would run at 25% -> headroom, but only after the dwell.
     for t in (0, 30, 59):
@@ -101,11 +105,20 @@ def test_scale_down_one_at_a_time_after_a_dwell_and_only_with_headroom():
         assert n == 5
     n, state = p(ctx(5, running=[2] * 5, state=state, now=60))
     assert n == 4
-    # The next removal waits a whole dwell again, even though 1 replica would still be enough.
+    # Each next removal waits for downscale_step_s of fresh headroom: one replica per step.
     n, state = p(ctx(4, running=[2.5] * 4, state=state, now=61))
     assert n == 4
-    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=121))
+    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=65))
+    assert n == 4
+    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=66))
     assert n == 3
+    # A rise in between: the full dwell again before the next removal.
+    n, state = p(ctx(3, running=[3.4] * 3, handle_queued=0.5, state=state, now=67))
+    n, state = p(ctx(3, running=[2] * 3, state=state, now=68))
+    n, state = p(ctx(3, running=[2] * 3, state=state, now=120))
+    assert n == 3
+    n, state = p(ctx(3, running=[2] * 3, state=state, now=128))
+    assert n == 2
 
 
 def test_no_scale_down_without_headroom_and_a_rise_restarts_the_dwell():
