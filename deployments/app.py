@@ -4,6 +4,7 @@ serve_config.yaml points its `import_path` here and passes AppConfig's fields as
 """
 from __future__ import annotations
 
+import warnings
 from typing import Union
 
 import pydantic
@@ -16,6 +17,7 @@ from batcher.simulated import is_simulated, preset_for
 from deployments.config import AppConfig
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
+from deployments.shutdown import graceful_timeout_s
 from router import LLMRouter, LLMRouterConfig
 
 
@@ -34,6 +36,10 @@ def _check(fn, what: str):
         raise ConfigError(f"invalid iterserve config at `{what}`: {e}") from None
 
 
+def _runtime_env(env: dict) -> dict:
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def load_config(args: Union[AppConfig, dict, None]) -> AppConfig:
     if isinstance(args, AppConfig):
         return args
@@ -45,19 +51,26 @@ def llm_deployment_options(cfg: AppConfig) -> dict:
     actor_options: dict = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus}
     if r.memory_gib:
         actor_options["memory"] = int(r.memory_gib * 2**30)
-    if r.env_vars:
-        actor_options["runtime_env"] = {"env_vars": dict(r.env_vars)}
+    env = {**metric_push_env(cfg), **r.env_vars}
+    if env:
+        actor_options["runtime_env"] = {"env_vars": env}
     options = {
         "ray_actor_options": actor_options,
         "max_ongoing_requests": r.max_ongoing_requests,
         "max_queued_requests": r.max_queued_requests,
         "health_check_period_s": r.health_check_period_s,
         "health_check_timeout_s": r.health_check_timeout_s,
+        # A leaving replica finishes its streams first (scale-down and redeploys lose nothing).
+        "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s,
+        "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s
+        or graceful_timeout_s(cfg.engine, r.shutdown_token_s, r.graceful_shutdown_wait_loop_s),
         "request_router_config": request_router_config(cfg),
     }
     if cfg.autoscaling is not None:
         auto = cfg.autoscaling.to_serve()
-        _check(lambda: ServeAutoscalingConfig(**auto), "args.autoscaling")
+        with warnings.catch_warnings():  # metrics_interval_s is "deprecated" yet the only knob 2.60 reads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _check(lambda: ServeAutoscalingConfig(**auto), "args.autoscaling")
         options["autoscaling_config"] = auto  # num_replicas must stay unset then
     else:
         options["num_replicas"] = r.num_replicas
@@ -88,6 +101,16 @@ def default_cost_model(engine: EngineConfig) -> str:
     return "h100-llama3-8b" if engine.device.startswith("cuda") else "cpu-smollm2"
 
 
+def metric_push_env(cfg: AppConfig) -> dict:
+    """Serve's push-interval variables for processes holding handles or serving replicas. Ray 2.60
+    takes the interval from autoscaling_config.metrics_interval_s; later versions read these."""
+    if cfg.autoscaling is None:
+        return {}
+    interval = str(cfg.autoscaling.metrics_interval_s)
+    return {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": interval,
+            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": interval}
+
+
 def build_app(args: dict) -> Application:
     """Serve application builder. `args` is AppConfig as a dict (or an AppConfig)."""
     cfg = load_config(args)
@@ -97,6 +120,6 @@ def build_app(args: dict) -> Application:
     ing = cfg.ingress
     ingress = OpenAIIngress.options(
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
-        ray_actor_options={"num_cpus": ing.num_cpus},
+        ray_actor_options={"num_cpus": ing.num_cpus, **_runtime_env(metric_push_env(cfg))},
     )
     return ingress.bind(llm, cfg.model_name, cfg.engine.model, ing.overload_status_code, ing.retry_after_s)

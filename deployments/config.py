@@ -10,6 +10,7 @@ from typing import Any, Dict, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batcher.config import EngineConfig
+from cluster.autoscaling import POLICY_PATH, SERVE_POLICY_PATH, QueueDepthPolicyConfig
 
 _STRICT = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -33,6 +34,14 @@ class ReplicaConfig(BaseModel):
     )
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
+    graceful_shutdown_timeout_s: Optional[float] = Field(
+        None, gt=0, description="Seconds a leaving replica (scale-down, redeploy) may take to finish its "
+        "in-flight streams; None: sized from max_model_len x shutdown_token_s.")
+    graceful_shutdown_wait_loop_s: float = Field(
+        2.0, gt=0, description="Seconds between a leaving replica's checks for unfinished requests.")
+    shutdown_token_s: Optional[float] = Field(
+        None, gt=0, description="Seconds per generated token at a full batch, to size the shutdown "
+        "window; None: the sim preset's step time, or 0.3 (the embedded model at 64 sequences on 2 cores).")
     env_vars: Dict[str, str] = Field(default_factory=dict, description="Extra env vars of replica processes.")
 
 
@@ -65,33 +74,52 @@ class StreamConfig(BaseModel):
 
 
 class AutoscalingConfig(BaseModel):
-    """Serve's autoscaling options (a subset, same names); `policy` plugs in a custom policy."""
+    """Serve's autoscaling options (same names) plus the policy. The default policy is
+    cluster.autoscaling:QueueDepthPolicy (knobs in `policy_kwargs`); Serve's own stays selectable
+    with `policy: ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy`. Fields left
+    unset take the chosen policy's defaults (see POLICY_DEFAULTS)."""
 
     model_config = _STRICT
 
-    min_replicas: int = Field(1, ge=0)
+    min_replicas: int = Field(1, ge=0, description="0 allows scale to zero (requests wait at the handles).")
     max_replicas: int = Field(1, ge=1)
     initial_replicas: Optional[int] = Field(None, ge=0)
-    target_ongoing_requests: float = Field(32.0, gt=0)
-    look_back_period_s: float = Field(30.0, gt=0)
-    upscale_delay_s: float = Field(30.0, ge=0)
-    downscale_delay_s: float = Field(600.0, ge=0)
+    target_ongoing_requests: float = Field(32.0, gt=0, description="Serve's policy only.")
+    metrics_interval_s: float = Field(
+        0.5, gt=0, description="How often replicas and handles push metrics to the controller. Ray 2.60 "
+        "reads this field (not the RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S variables, which the "
+        "app also sets for later Ray versions) and warns that it is deprecated.")
+    look_back_period_s: Optional[float] = Field(None, gt=0)
+    upscale_delay_s: Optional[float] = Field(None, ge=0)
+    downscale_delay_s: Optional[float] = Field(None, ge=0)
+    downscale_to_zero_delay_s: Optional[float] = Field(None, ge=0)
     upscaling_factor: Optional[float] = Field(None, gt=0)
     downscaling_factor: Optional[float] = Field(None, gt=0)
-    policy: Optional[str] = Field(None, description="'pkg.mod:fn' custom autoscaling policy.")
+    policy: str = Field(POLICY_PATH, description="'pkg.mod:fn' or 'pkg.mod:Class' autoscaling policy.")
     policy_kwargs: Dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "AutoscalingConfig":
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.policy == POLICY_PATH:
+            QueueDepthPolicyConfig(**self.policy_kwargs)  # unknown or bad knobs fail at deploy
         return self
 
     def to_serve(self) -> dict:
-        d = self.model_dump(exclude={"policy", "policy_kwargs"}, exclude_none=True)
-        if self.policy:
-            d["policy"] = {"policy_function": self.policy, "policy_kwargs": self.policy_kwargs}
+        defaults = POLICY_DEFAULTS.get(self.policy, POLICY_DEFAULTS[SERVE_POLICY_PATH])
+        d = {**defaults, **self.model_dump(exclude={"policy", "policy_kwargs"}, exclude_none=True)}
+        d["policy"] = {"policy_function": self.policy, "policy_kwargs": self.policy_kwargs}
         return d
+
+
+# Serve's delays and smoothing suit its policy; the queue-depth policy keeps its own dwell before a
+# removal and jumps straight to the count a burst needs, so Serve must apply neither on top of it.
+POLICY_DEFAULTS: Dict[str, Dict[str, float]] = {
+    POLICY_PATH: {"look_back_period_s": 5.0, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0,
+                  "downscale_to_zero_delay_s": 0.0, "upscaling_factor": 1.0, "downscaling_factor": 1.0},
+    SERVE_POLICY_PATH: {"look_back_period_s": 30.0, "upscale_delay_s": 30.0, "downscale_delay_s": 600.0},
+}
 
 
 class RouterConfig(BaseModel):

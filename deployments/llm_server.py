@@ -95,8 +95,10 @@ class LLMServer:
     def record_autoscaling_stats(self) -> Dict[str, float]:
         """Custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id] in a policy)."""
         s = self.engine.stats()
+        # `finished` and `preemptions` are counters: the policy reads their rate from the raw series.
         return {"waiting": float(s.waiting), "running": float(s.running), "kv_usage": float(s.kv_usage),
-                "kv_blocks_free": float(s.kv_blocks_free)}
+                "kv_blocks_free": float(s.kv_blocks_free),
+                "finished": float(s.finished_requests + s.aborted_requests), "preemptions": float(s.preemptions)}
 
     def check_health(self) -> None:
         self.engine.check_health()  # raises EngineDeadError: Serve then replaces this replica

@@ -72,7 +72,7 @@ def test_replica_reports_load_for_router_and_autoscaler(tiny_app):
     routing = handle.record_routing_stats.remote().result()
     assert {"waiting", "running", "kv_usage", "kv_blocks_free", "kv_blocks_total"} <= set(routing)
     autoscaling = handle.record_autoscaling_stats.remote().result()
-    assert set(autoscaling) == {"waiting", "running", "kv_usage", "kv_blocks_free"}
+    assert set(autoscaling) == {"waiting", "running", "kv_usage", "kv_blocks_free", "finished", "preemptions"}
     assert all(isinstance(v, float) for v in autoscaling.values())
     assert autoscaling["kv_blocks_free"] == routing["kv_blocks_total"] == 512  # idle: every block free
     assert handle.check_health.remote().result() is None

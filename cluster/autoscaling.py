@@ -1,0 +1,180 @@
+"""Queue-depth autoscaling for LLM replicas: the policy Serve's controller calls every control tick.
+
+Serve wraps every policy (its own too) with `_apply_autoscaling_config`: scaling factors, then
+`upscale_delay_s` / `downscale_delay_s`, then min/max bounds. This policy keeps its own timing (the
+dwell before each removal), so the app sets those delays to 0 and the factors to 1 for it.
+
+What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged over the look-back):
+`running`, `waiting` (in the engine), `kv_usage`; and from the counters' raw series, `finished` and
+`preemptions` per second. From the callers' handles: `total_num_requests` (running + queued) and
+`total_queued_requests` (queued at handles, no replica yet).
+
+    queue     = requests waiting in engines + queued at handles; expected wait = queue / completions per s
+    capacity  = target_running sequences per replica, running and starting ones alike (capacity on the
+                way: a burst is not counted twice while its replicas start); a replica whose KV cache
+                is full or that preempted counts only what it runs now (it admits no more)
+    up        : running sequences over capacity -> straight to the count that covers them; and when
+                the expected wait exceeds max_queue_wait_s, enough replicas for the arrival rate
+                (completions + growth of the queue) plus draining the queue within queue_drain_s, at the
+                measured service time (Little: running / completions per s) and target_running each
+                (or what replicas actually run, when they queue below it)
+    down      : one replica at a time, only when the fleet without it keeps headroom (requests under
+                downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure):
+                the first removal after a rise waits downscale_dwell_s, the next ones downscale_step_s
+                each (fresh metrics showing the headroom still holds)
+    zero      : with min_replicas 0, the last replica leaves after scale_to_zero_dwell_s with no
+                request at all; requests that arrive then wait at the handles while Serve's cold start
+                path brings one replica back
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from pydantic import BaseModel, ConfigDict, Field
+
+POLICY_PATH = "cluster.autoscaling:QueueDepthPolicy"
+SERVE_POLICY_PATH = "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"
+
+# Metric names LLMServer.record_autoscaling_stats reports.
+RUNNING, WAITING, KV_USAGE, FINISHED, PREEMPTIONS = "running", "waiting", "kv_usage", "finished", "preemptions"
+_LOW_SINCE = "iterserve_low_since"  # policy_state: when the fleet last started having headroom
+_STEPPING = "iterserve_stepping_down"  # policy_state: a removal happened since the last rise
+_HISTORY = "iterserve_demand"  # policy_state: recent (time, requests in the system), for the growth rate
+
+
+class QueueDepthPolicyConfig(BaseModel):
+    """The policy's knobs (`autoscaling.policy_kwargs`). Defaults fit the embedded model's config
+    (max_num_seqs 64 on 2 CPU cores)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_running: float = Field(
+        48.0, gt=0, description="Sequences per replica the fleet is sized for (0.75 x max_num_seqs: "
+        "room for a burst to land while new replicas start).")
+    max_queue_wait_s: float = Field(
+        2.0, gt=0, description="Expected queue wait (queued / measured completions per second) above "
+        "which replicas are added for the arrival rate plus draining the queue.")
+    queue_drain_s: float = Field(
+        60.0, gt=0, description="Time a grown queue should take to drain once replicas are added: "
+        "shorter buys more replicas for a backlog that is gone once they start.")
+    kv_high: float = Field(0.9, gt=0, le=1, description="KV usage at which a replica counts as full.")
+    downscale_headroom: float = Field(
+        0.8, gt=0, le=1, description="Remove a replica only if demand stays under this share of the "
+        "smaller fleet's capacity (the band between up and down stops oscillation).")
+    downscale_dwell_s: float = Field(60.0, ge=0, description="Headroom held this long before the first "
+                                     "removal after a rise.")
+    downscale_step_s: float = Field(5.0, ge=0, description="Headroom held this long before each further "
+                                    "removal (one replica each).")
+    scale_to_zero_dwell_s: float = Field(
+        300.0, ge=0, description="No request at all for this long before the last replica leaves "
+        "(only with min_replicas 0).")
+
+
+def _rate(series) -> Optional[float]:
+    """Per-second increase of a cumulative counter over its raw window (None when under 1 s)."""
+    if not series or len(series) < 2:
+        return None
+    first, last = series[0], series[-1]
+    span = last.timestamp - first.timestamp
+    return max(0.0, last.value - first.value) / span if span >= 1.0 else None
+
+
+class QueueDepthPolicy:
+    """`policy: cluster.autoscaling:QueueDepthPolicy`; Serve instantiates it once with policy_kwargs
+    and calls it with an AutoscalingContext each control tick."""
+
+    def __init__(self, **policy_kwargs: Any):
+        self.cfg = QueueDepthPolicyConfig(**policy_kwargs)
+
+    def __call__(self, ctx) -> Tuple[int, Dict[str, Any]]:
+        c = self.cfg
+        state = dict(ctx.policy_state or {})
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        target, ready = ctx.target_num_replicas, ctx.current_num_replicas
+        lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+        starting = max(0, target - ready)
+
+        metrics = ctx.aggregated_metrics or {}
+        raw = ctx.raw_metrics or {}
+        running, waiting, kv = metrics.get(RUNNING, {}), metrics.get(WAITING, {}), metrics.get(KV_USAGE, {})
+        queued = sum(waiting.values()) + (ctx.total_queued_requests or 0.0)
+        in_flight = sum(running.values())
+        # Handles see every request; the replicas' own reports are a floor (a caller without metrics).
+        demand = max(ctx.total_num_requests or 0.0, in_flight + queued)
+        growth = self._growth(state, now, demand)
+
+        pressured = {r for r in ctx.running_replicas
+                     if kv.get(r, 0.0) >= c.kv_high or (_rate(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0}
+        capacity = sum(min(running.get(r, 0.0), c.target_running) if r in pressured else c.target_running
+                       for r in ctx.running_replicas)
+        capacity += starting * c.target_running
+
+        desired = target
+        if in_flight > capacity:  # straight to the count that covers what runs now
+            desired = target + math.ceil((in_flight - capacity) / c.target_running - 1e-9)
+        # Replicas with a measured completion rate (a replica that just started has none yet).
+        measured = {r: x for r in ctx.running_replicas if (x := _rate(raw.get(FINISHED, {}).get(r))) is not None}
+        completions = sum(measured.values())
+        busy = sum(running.get(r, 0.0) for r in measured)
+        if queued > 0:
+            if completions > 0 and busy > 0:
+                if queued / completions > c.max_queue_wait_s:
+                    service_s = busy / completions  # Little's law, per request on a replica
+                    arrivals = completions + max(0.0, growth)
+                    # Replicas that queue below target_running (long prompts, KV) run what they run.
+                    per_replica = min(c.target_running, busy / len(measured))
+                    # The backlog is drained by the replicas on the way: only once none is starting
+                    # does a remaining backlog ask for more (else it grows the target every tick).
+                    backlog = queued / c.queue_drain_s if starting == 0 else 0.0
+                    need = (arrivals + backlog) * service_s / per_replica
+                    desired = max(desired, math.ceil(need - 1e-9))
+            elif demand > capacity:  # nothing measured yet (a first burst): count the queue as load
+                desired = max(desired, target + math.ceil((demand - capacity) / c.target_running - 1e-9))
+
+        if desired > target or queued > 0 or pressured:
+            state[_LOW_SINCE], state[_STEPPING] = None, False
+        else:
+            desired = self._maybe_step_down(target, demand, lo, now, state)
+        return max(lo, min(hi, desired)), state
+
+    @staticmethod
+    def _growth(state: dict, now: float, demand: float, span_s: float = 5.0) -> float:
+        """Requests per second the system gained over the last ~span_s (queue growth = arrivals
+        beyond what completes)."""
+        history = [h for h in state.get(_HISTORY, []) if now - h[0] <= 2 * span_s] + [(now, demand)]
+        state[_HISTORY] = history
+        old = [h for h in history if now - h[0] >= span_s]
+        t0, d0 = old[-1] if old else history[0]
+        return (demand - d0) / (now - t0) if now > t0 else 0.0
+
+    def _maybe_step_down(self, target: int, demand: float, lo: int, now: float, state: dict) -> int:
+        c = self.cfg
+        smaller = target - 1
+        if smaller < lo:
+            state[_LOW_SINCE] = None
+            return target
+        fits = demand <= 0 if smaller == 0 else demand <= c.downscale_headroom * smaller * c.target_running
+        if not fits:
+            state[_LOW_SINCE] = None
+            return target
+        since = state.get(_LOW_SINCE)
+        if since is None:
+            state[_LOW_SINCE] = since = now
+        dwell = c.downscale_step_s if state.get(_STEPPING) else c.downscale_dwell_s
+        if smaller == 0:
+            dwell = c.scale_to_zero_dwell_s
+        if now - since >= dwell:
+            state[_LOW_SINCE], state[_STEPPING] = None, True  # the next removal re-checks on fresh metrics
+            return smaller
+        return target
+
+
+def queue_depth_policy(ctx) -> Tuple[int, Dict[str, Any]]:
+    """The policy with its default knobs, as a plain function (Serve passes no kwargs to functions)."""
+    return _DEFAULT(ctx)
+
+
+_DEFAULT = QueueDepthPolicy()
+

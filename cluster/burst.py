@@ -1,0 +1,163 @@
+"""`python -m cluster.burst --address HOST:PORT`: the autoscaling scenario on a running cluster.
+
+Deploys simulated replicas (sim:cpu-smollm2: the real engine and Serve plumbing, forward replaced by
+sleeping) with the queue-depth policy, min 1 / max N replicas, then over HTTP (streaming completions):
+1. burst: `--clients` closed-loop clients until N replicas run (the time it took is reported);
+2. tail: the burst clients finish their current request and stop; one client keeps a light load
+   while replicas return to the minimum (so replicas leave with streams in flight);
+3. every request is counted: sent, answered in full (all tokens, then [DONE]), failed (with why).
+Prints one JSON object; deletes its Serve app and leaves the cluster running.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import time
+from collections import Counter
+
+import httpx
+
+MAX_TOKENS = 32
+
+
+def app_config(max_replicas: int) -> dict:
+    return {
+        "engine": {"model": "sim:cpu-smollm2", "max_num_seqs": 4, "max_model_len": 512},
+        "served_model_name": "sim",
+        "replica": {"num_cpus": 0, "max_ongoing_requests": 4, "max_queued_requests": -1},
+        "ingress": {"num_cpus": 0},
+        "autoscaling": {"min_replicas": 1, "max_replicas": max_replicas, "metrics_interval_s": 0.5,
+                        "policy_kwargs": {"target_running": 2, "max_queue_wait_s": 1.0,
+                                          "downscale_dwell_s": 5.0, "downscale_step_s": 2.0}},
+    }
+
+
+class Load:
+    def __init__(self, url: str):
+        self.url, self.counts, self.errors = url, Counter(), Counter()
+        self.stop_burst = self.stop_tail = False
+
+    async def one(self, client: httpx.AsyncClient, i: int) -> None:
+        self.counts["sent"] += 1
+        body = {"model": "sim", "prompt": f"request {i}: tell me a story", "max_tokens": MAX_TOKENS,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
+        try:
+            tokens, done = 0, False
+            async with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    self.errors[f"http {resp.status_code}"] += 1
+                    return
+                async for line in resp.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        usage = json.loads(line[6:]).get("usage")  # the last chunk, before [DONE]
+                        tokens = usage["completion_tokens"] if usage else tokens
+            if done and tokens >= MAX_TOKENS:
+                self.counts["ok"] += 1
+            else:
+                self.errors[f"incomplete ({tokens} tokens, done={done})"] += 1
+        except Exception as e:  # counted, never raised: the point is to count every request
+            self.errors[type(e).__name__] += 1
+
+    async def client(self, client: httpx.AsyncClient, ident: int, tail: bool) -> None:
+        n = 0
+        while not (self.stop_tail if tail else self.stop_burst):
+            await self.one(client, ident * 100000 + n)
+            n += 1
+
+
+def replicas(app: str) -> tuple:
+    """(running replicas of LLMServer, node ids hosting one)."""
+    from ray import serve
+    from ray.util.state import list_actors
+
+    status = serve.status().applications.get(app)
+    dep = status.deployments.get("LLMServer") if status else None
+    running = dep.replica_states.get("RUNNING", 0) if dep else 0
+    nodes = {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+             if a.class_name == f"ServeReplica:{app}:LLMServer"}
+    return running, nodes
+
+
+async def scenario(url: str, app: str, clients: int, max_replicas: int, up_timeout_s: float,
+                   down_timeout_s: float) -> dict:
+    load, out = Load(url), {"timeline": []}
+    t0 = time.time()
+    nodes_seen: set = set()
+
+    def sample() -> int:
+        n, nodes = replicas(app)
+        nodes_seen.update(nodes)
+        out["timeline"].append([round(time.time() - t0, 1), n])
+        return n
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as http:
+        await load.one(http, -1)  # warm: the app answers
+        if load.counts["ok"] != 1:
+            raise RuntimeError(f"the app does not answer: {dict(load.errors)}")
+        t_burst = time.time()
+        burst = [asyncio.create_task(load.client(http, i, tail=False)) for i in range(clients)]
+        tail = asyncio.create_task(load.client(http, clients, tail=True))
+        while time.time() - t_burst < up_timeout_s and sample() < max_replicas:
+            await asyncio.sleep(0.5)
+        out["seconds_to_max"] = round(time.time() - t_burst, 1) if out["timeline"][-1][1] >= max_replicas else None
+        out["max_replicas_seen"] = max(n for _, n in out["timeline"])
+        await asyncio.sleep(5)  # the burst goes on a little at full size
+        load.stop_burst = True
+        await asyncio.gather(*burst)
+        t_down = time.time()
+        while time.time() - t_down < down_timeout_s and sample() > 1:
+            await asyncio.sleep(0.5)
+        out["seconds_to_min"] = round(time.time() - t_down, 1) if out["timeline"][-1][1] <= 1 else None
+        load.stop_tail = True
+        await tail
+    out.update(sent=load.counts["sent"], ok=load.counts["ok"], failed=sum(load.errors.values()),
+               errors=dict(load.errors), nodes_with_replicas=len(nodes_seen))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--address", required=True, help="GCS address of the cluster (cluster.local up prints it)")
+    ap.add_argument("--max-replicas", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--up-timeout-s", type=float, default=90)
+    ap.add_argument("--down-timeout-s", type=float, default=120)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # cluster.local's clusters run without tokens
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+    port = _free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    app = "burst"
+    try:
+        serve.run(build_app(app_config(args.max_replicas)), name=app, route_prefix="/")
+        result = asyncio.run(scenario(f"http://127.0.0.1:{port}", app, args.clients, args.max_replicas,
+                                      args.up_timeout_s, args.down_timeout_s))
+        result.update(max_replicas=args.max_replicas, clients=args.clients)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""A fleet of simulated LLM replicas under an autoscaling policy: fixed ticks, no Ray, no sleeping.
+
+Each replica is a continuous-batching engine whose step time is its preset's StepTimeModel (the one
+`sim:<preset>` replicas sleep for). Per tick of `dt_s`, per replica: newly admitted requests add
+their prompts to a prefill backlog, chunked at max_num_batched_tokens per step; every step also
+decodes one token of each running sequence; output lengths are geometric (each decoding sequence
+ends with probability 1/mean_output_tokens per step), so the running count is carried as a fluid.
+Callers hold one FIFO queue (Serve's handle queue): a request goes to a replica only when it has a
+free slot (max_ongoing_requests = max_num_seqs), least-loaded first; each request's first token
+comes when the backlog ahead of it and its own prompt are prefilled.
+
+Serve's controller is reproduced around the policy: metrics recorded every record interval, pushed
+every `metrics_interval_s`, averaged over `look_back_period_s`; the policy wrapped by Serve's own
+`_apply_autoscaling_config` (factors, delays, cold start) and clamped to min/max, called every
+`control_period_s`. A new replica serves `startup_s` after it is asked for; a removed one takes
+no new requests and leaves when its streams are done; replica-seconds count from ask to leave.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+from ray.serve._private.common import TimeStampedValue
+import ray.serve.autoscaling_policy as serve_policy
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from batcher.simulated import PRESETS
+from cluster.traces import Trace
+
+STARTING, READY, DRAINING, GONE = 0, 1, 2, 3
+TTFT_QUANTILES = (0.125, 0.375, 0.625, 0.875)  # a cohort's first tokens are spread over its prefill
+TTFT_BINS = np.concatenate([[0.0], np.logspace(-3, 4, 1401)])  # 1 ms .. 10^4 s, 0.5% wide
+
+
+@dataclass
+class Workload:
+    preset: str = "h100-llama3-8b"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    prompt_tokens: int = 512
+    output_tokens: Optional[int] = None  # mean; default: the preset's mean answer
+
+    @property
+    def step(self):
+        return PRESETS[self.preset].step
+
+    @property
+    def mean_output(self) -> int:
+        return self.output_tokens or PRESETS[self.preset].mean_answer_tokens
+
+    def throughput_rps(self, concurrency: float) -> float:
+        """Requests per second one replica completes at a steady `concurrency` running sequences."""
+        c = concurrency
+        prefill_per_step = c / self.mean_output * self.prompt_tokens
+        step = self.step.step_seconds(prefill_per_step, c, c * (self.prompt_tokens + self.mean_output))
+        return c / (step * self.mean_output)
+
+
+@dataclass
+class Result:
+    """Time series (one point per control tick) and the TTFT histogram (requests per bin)."""
+
+    name: str
+    t: List[float] = field(default_factory=list)
+    replicas: List[int] = field(default_factory=list)  # billed: starting + ready + draining
+    ready: List[int] = field(default_factory=list)
+    target: List[int] = field(default_factory=list)
+    queue: List[float] = field(default_factory=list)
+    rate: List[float] = field(default_factory=list)
+    ttft_hist: np.ndarray = field(default_factory=lambda: np.zeros(len(TTFT_BINS)))
+    within_slo: float = 0.0
+    replica_seconds: float = 0.0
+    requests: float = 0.0
+    unfinished: float = 0.0
+
+    def ttft_quantile(self, q: float) -> float:
+        """TTFT at quantile q (the upper edge of the bin it falls in)."""
+        cum = np.cumsum(self.ttft_hist)
+        i = int(np.searchsorted(cum, q * cum[-1]))
+        return float(TTFT_BINS[min(i, len(TTFT_BINS) - 1)])
+
+    @property
+    def served(self) -> float:
+        return float(self.ttft_hist.sum())
+
+
+class _Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+class Policy:
+    """A policy as Serve's controller runs it: wrapped with Serve's config logic, then bounded."""
+
+    def __init__(self, name: str, fn: Callable, config: AutoscalingConfig):
+        self.name, self.config = name, config
+        self.wrapped = _apply_autoscaling_config(fn)
+        self.state: Dict = {}
+
+    def decide(self, ctx: AutoscalingContext) -> int:
+        # Serve's delay logic reads time.time(): give it the simulated clock for this call.
+        real = serve_policy.time
+        serve_policy.time = _Clock(ctx.current_time)
+        try:
+            n, self.state = self.wrapped(ctx)
+        finally:
+            serve_policy.time = real
+        n = math.ceil(n)
+        return max(self.config.min_replicas, min(self.config.max_replicas, n))
+
+
+class FleetSim:
+    def __init__(self, trace: Trace, work: Workload, startup_s: float, dt_s: float = 0.25,
+                 slo_s: float = 1.0, control_period_s: float = 1.0, seed: int = 0, slots: int = 4096):
+        self.trace, self.w, self.startup_s, self.dt, self.slo_s = trace, work, startup_s, dt_s, slo_s
+        self.control_period_s = control_period_s
+        self.rng = np.random.default_rng(seed)
+        n = slots
+        self.state = np.full(n, GONE)
+        self.ready_at = np.zeros(n)
+        self.running = np.zeros(n)
+        self.backlog = np.zeros(n)  # prompt tokens admitted, not yet prefilled
+        self.finished = np.zeros(n)
+        self.uid = np.zeros(n, dtype=np.int64)
+        self._next_uid = 0
+        self.queue: deque = deque()  # [arrival time, count] cohorts
+        self.samples: deque = deque()  # (t, running, finished, kv, total, queued)
+
+    # ---- replicas ------------------------------------------------------------------------------
+
+    def _live(self) -> np.ndarray:
+        return np.flatnonzero((self.state == STARTING) | (self.state == READY))
+
+    def _scale_to(self, target: int, now: float) -> None:
+        live = self._live()
+        if target > len(live):
+            free = np.flatnonzero(self.state == GONE)[: target - len(live)]
+            if len(free) < target - len(live):
+                raise RuntimeError("out of replica slots; raise FleetSim(slots=...)")
+            self.state[free], self.ready_at[free] = STARTING, now + self.startup_s
+            self.running[free] = self.backlog[free] = self.finished[free] = 0.0
+            self.uid[free] = np.arange(self._next_uid, self._next_uid + len(free))
+            self._next_uid += len(free)
+        elif target < len(live):
+            # Like Serve: replicas still starting go first (newest first), then the least loaded.
+            order = sorted(live, key=lambda i: (self.state[i] == READY, self.running[i], -self.ready_at[i]))
+            for i in order[: len(live) - target]:
+                self.state[i] = GONE if self.state[i] == STARTING else DRAINING
+
+    # ---- one tick ------------------------------------------------------------------------------
+
+    def _admit(self, now: float, res: Result, arrivals: float) -> None:
+        w, step = self.w, self.w.step
+        if arrivals > 0:
+            self.queue.append([now + self.dt / 2, arrivals])
+        ready = np.flatnonzero(self.state == READY)
+        if not self.queue or not len(ready):
+            return
+        free = np.maximum(0.0, w.max_num_seqs - self.running[ready])
+        total_free = free.sum()
+        if total_free <= 0:
+            return
+        share = free / total_free  # least loaded get most (power-of-two choices, in the mean)
+        take_total = 0.0
+        while self.queue and take_total < total_free - 1e-9:
+            cohort = self.queue[0]
+            take = min(cohort[1], total_free - take_total)
+            wait = max(0.0, now - cohort[0])
+            per = take * share
+            # The replica's prefill backlog ahead of this cohort, and the cohort's own prompts.
+            ahead = self.backlog[ready] + take_total * share * w.prompt_tokens
+            m = w.max_num_batched_tokens
+            base = step.step_seconds(m, 0, 0) + self.running[ready] * (step.decode_seq_s + (w.prompt_tokens + w.mean_output) * step.context_token_s)
+            for q in TTFT_QUANTILES:
+                tokens = ahead + (q * per + 1) * w.prompt_tokens
+                ttft = wait + np.maximum(tokens / m, 1.0) * base
+                weight = per / len(TTFT_QUANTILES)
+                np.add.at(res.ttft_hist, np.minimum(np.searchsorted(TTFT_BINS, ttft), len(TTFT_BINS) - 1), weight)
+                res.within_slo += float(weight[ttft <= self.slo_s].sum())
+            take_total += take
+            cohort[1] -= take
+            if cohort[1] <= 1e-9:
+                self.queue.popleft()
+        admitted = take_total * share
+        self.running[ready] += admitted
+        self.backlog[ready] += admitted * w.prompt_tokens
+
+    def _step(self) -> None:
+        w, s = self.w, self.w.step
+        idx = np.flatnonzero((self.state == READY) | (self.state == DRAINING))
+        if not len(idx):
+            return
+        r, b = self.running[idx], self.backlog[idx]
+        m = w.max_num_batched_tokens
+        base = s.fixed_s + r * (s.decode_seq_s + (w.prompt_tokens + w.mean_output) * s.context_token_s)
+        prefill_step = base + m * s.prefill_token_s
+        clear_time = b / m * prefill_step
+        full = clear_time >= self.dt
+        steps = np.where(full, self.dt / prefill_step, b / m + (self.dt - clear_time) / base)
+        self.backlog[idx] = np.where(full, b - steps * m, 0.0)
+        done = r * (1.0 - (1.0 - 1.0 / w.mean_output) ** steps)
+        self.running[idx] = r - done
+        self.finished[idx] += done
+        drained = idx[(self.state[idx] == DRAINING) & (self.running[idx] < 0.5)]
+        self.state[drained] = GONE
+
+    # ---- Serve's view ----------------------------------------------------------------------------
+
+    def _record(self, now: float) -> None:
+        kv = self.running * (self.w.prompt_tokens + self.w.mean_output) * PRESETS[self.w.preset].kv_bytes_per_token
+        kv /= PRESETS[self.w.preset].kv_cache_memory_gib * 2**30
+        queued = sum(c[1] for c in self.queue)
+        total = float(self.running[self.state != GONE].sum() + queued)  # handles count draining ones too
+        self.samples.append((now, self.running.copy(), self.finished.copy(), kv, total, queued))
+
+    def _context(self, policy: Policy, now: float, pushed_at: float, target: int) -> AutoscalingContext:
+        cfg = policy.config
+        window = [s for s in self.samples if now - cfg.look_back_period_s <= s[0] <= pushed_at]
+        ready = np.flatnonzero(self.state == READY)
+        ids = [f"replica-{self.uid[i]}" for i in ready]
+        if window:
+            total = float(np.mean([s[4] for s in window]))
+            queued = float(np.mean([s[5] for s in window]))
+            running = np.mean([s[1][ready] for s in window], axis=0)
+            kv = np.mean([s[3][ready] for s in window], axis=0)
+        else:
+            total = queued = 0.0
+            running = kv = np.zeros(len(ready))
+
+        def raw():
+            out: Dict[str, Dict] = {"finished": {}, "preemptions": {}}
+            for j, i in enumerate(ready):
+                pts = [s for s in window if s[0] >= self.ready_at[i]]
+                out["finished"][ids[j]] = [TimeStampedValue(s[0], float(s[2][i])) for s in pts]
+            return out
+
+        return AutoscalingContext(
+            deployment_id=None, deployment_name="LLMServer", app_name="sim", current_num_replicas=len(ready),
+            target_num_replicas=target, running_replicas=ids, total_num_requests=total,
+            total_queued_requests=queued,
+            aggregated_metrics={"running": dict(zip(ids, running.tolist())), "waiting": {i: 0.0 for i in ids},
+                                "kv_usage": dict(zip(ids, kv.tolist()))},
+            raw_metrics=raw, capacity_adjusted_min_replicas=cfg.min_replicas,
+            capacity_adjusted_max_replicas=cfg.max_replicas, policy_state=dict(policy.state),
+            last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=cfg)
+
+    # ---- the run ---------------------------------------------------------------------------------
+
+    def run(self, policy: Optional[Policy] = None, schedule: Optional[Callable[[float], int]] = None,
+            initial: int = 1, name: str = "") -> Result:
+        """Either a Policy (through Serve's logic) or a schedule: t -> replica count (clairvoyant)."""
+        res = Result(name or (policy.name if policy else "schedule"))
+        cfg = policy.config if policy else None
+        record_every = min(cfg.look_back_period_s * 0.2, cfg.metrics_interval_s) if cfg else 1.0
+        target = initial
+        self._scale_to(target, -self.startup_s)  # the initial fleet is up at t = 0
+        self.ready_at[self._live()] = 0.0
+        next_record = next_push = next_control = 0.0
+        pushed_at = 0.0
+        now, end = 0.0, self.trace.duration_s
+        while now < end:
+            self.state[(self.state == STARTING) & (self.ready_at <= now)] = READY
+            if now >= next_record:
+                self._record(now)
+                next_record += record_every
+                while self.samples and self.samples[0][0] < now - 60 - (cfg.look_back_period_s if cfg else 0):
+                    self.samples.popleft()
+            if cfg and now >= next_push:
+                pushed_at, next_push = now, next_push + cfg.metrics_interval_s
+            if now >= next_control:
+                target = (policy.decide(self._context(policy, now, pushed_at, target)) if policy
+                          else schedule(now))
+                self._scale_to(target, now)
+                queued = sum(c[1] for c in self.queue)
+                res.t.append(now)
+                res.replicas.append(int(np.count_nonzero(self.state != GONE)))
+                res.ready.append(int(np.count_nonzero(self.state == READY)))
+                res.target.append(target)
+                res.queue.append(float(queued))
+                res.rate.append(float(self.trace.rate(now)))
+                next_control += self.control_period_s
+            arrivals = float(self.rng.poisson(self.trace.rate(now + self.dt / 2) * self.dt))
+            res.requests += arrivals
+            self._admit(now, res, arrivals)
+            self._step()
+            res.replica_seconds += np.count_nonzero(self.state != GONE) * self.dt
+            now += self.dt
+        res.unfinished = sum(c[1] for c in self.queue)
+        return res

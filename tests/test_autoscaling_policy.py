@@ -1,0 +1,214 @@
+"""QueueDepthPolicy with constructed AutoscalingContexts, run through Serve's own wrapper
+(`_apply_autoscaling_config`: factors, delays) and bounds, as the controller runs it."""
+from __future__ import annotations
+
+import pytest
+from ray.serve._private.common import TimeStampedValue
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from cluster.autoscaling import POLICY_PATH, QueueDepthPolicy, queue_depth_policy
+from deployments.app import build_app, llm_deployment_options, load_config
+from deployments.config import AutoscalingConfig as AppAutoscaling
+
+T = 10.0  # target_running in these tests
+
+
+def ctx(target, ready=None, running=(), waiting=(), kv=(), handle_queued=0.0, total=None, finished=None,
+        preempted=(), state=None, now=0.0, lo=1, hi=100, config=None):
+    """A context as the controller builds it; per-replica lists are indexed by replica."""
+    ready = target if ready is None else ready
+    ids = [f"r{i}" for i in range(ready)]
+    running = list(running) + [0.0] * (ready - len(running))
+    waiting = list(waiting) + [0.0] * (ready - len(waiting))
+    kv = list(kv) + [0.0] * (ready - len(kv))
+    if total is None:
+        total = sum(running) + sum(waiting) + handle_queued
+    raw = {}
+    if finished is not None:  # finished[i] requests per second over a 5 s window
+        raw["finished"] = {r: [TimeStampedValue(now - 5, 0.0), TimeStampedValue(now, 5 * finished[i])]
+                           for i, r in enumerate(ids)}
+    raw["preemptions"] = {r: [TimeStampedValue(now - 5, 0.0), TimeStampedValue(now, 3.0 if i in preempted else 0.0)]
+                          for i, r in enumerate(ids)}
+    return AutoscalingContext(
+        deployment_id=None, deployment_name="LLMServer", app_name="app", current_num_replicas=ready,
+        target_num_replicas=target, running_replicas=ids, total_num_requests=total,
+        total_queued_requests=handle_queued,
+        aggregated_metrics={"running": dict(zip(ids, running)), "waiting": dict(zip(ids, waiting)),
+                            "kv_usage": dict(zip(ids, kv))},
+        raw_metrics=raw, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
+        policy_state=state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=now,
+        config=config or serve_config())
+
+
+def serve_config(**kw):
+    return AutoscalingConfig(**AppAutoscaling(max_replicas=100, **kw).to_serve())
+
+
+def policy(**kw):
+    return QueueDepthPolicy(target_running=T, **kw)
+
+
+def test_burst_jumps_straight_to_the_count_it_needs():
+    # 2 replicas full and 75 more requests queued at the handles: 95 requests / 10 = 10 replicas at once.
+    n, _ = policy()(ctx(2, running=[10, 10], handle_queued=75))
+    assert n == 10
+
+
+def test_starting_replicas_count_as_capacity_on_the_way():
+    # The same burst while the 8 extra replicas start: nothing more is added.
+    n, _ = policy()(ctx(10, ready=2, running=[10, 10], handle_queued=75))
+    assert n == 10
+    # Demand beyond what is on the way adds only the difference.
+    n, _ = policy()(ctx(10, ready=2, running=[10, 10], handle_queued=95))
+    assert n == 12
+
+
+def test_engine_queue_and_handle_queue_both_count():
+    n, _ = policy()(ctx(2, running=[10, 10], waiting=[15, 15], total=50))
+    assert n == 5
+
+
+def test_expected_queue_wait_from_measured_throughput_adds_replicas():
+    # Replicas cap out at 4 running (long prompts) though sized for 10: by count 20 requests fit, but
+    # 12 queued at 1 req/s per replica is a 6 s wait. Service time 4 s (Little), 4 per replica:
+    # (2 req/s + 12 / 60 s drain) x 4 s / 4 = 2.2 -> 3 replicas.
+    p = policy(max_queue_wait_s=2.0, queue_drain_s=60.0)
+    n, state = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[1.0, 1.0], now=0))
+    assert n == 3
+    # The queue grows by 10 in 5 s: arrivals are 2 + 2 req/s -> (4 + 22 / 60) x 4 / 4 = 4.4 -> 5.
+    n, _ = p(ctx(2, running=[4, 4], waiting=[11, 11], finished=[1.0, 1.0], now=5, state=state))
+    assert n == 5
+    # The same queue served fast (10 req/s per replica): 0.6 s wait, no replica added.
+    n, _ = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[10.0, 10.0]))
+    assert n == 2
+
+
+def test_kv_pressure_caps_a_replicas_capacity():
+    # 16 requests on 2 replicas fit by count (capacity 20), but replica 0's KV cache is full with 4
+    # running: it takes no more, so capacity is 4 + 10 and one replica is added.
+    n, _ = policy()(ctx(2, running=[4, 8], waiting=[4, 0], kv=[0.95, 0.3]))
+    assert n == 3
+    # A replica that preempts counts the same way.
+    n, _ = policy()(ctx(2, running=[4, 8], waiting=[4, 0], preempted=[0]))
+    assert n == 3
+    n, _ = policy()(ctx(2, running=[4, 8], waiting=[4, 0]))
+    assert n == 2
+
+
+def test_scale_down_one_at_a_time_after_a_dwell_and_only_with_headroom():
+    p = policy(downscale_dwell_s=60, downscale_step_s=5, downscale_headroom=0.8)
+    state: dict = {}
+    # 5 replicas, 10 requests: 4 replicas would run at 25% -> headroom, but only after the dwell.
+    for t in (0, 30, 59):
+        n, state = p(ctx(5, running=[2] * 5, state=state, now=t))
+        assert n == 5
+    n, state = p(ctx(5, running=[2] * 5, state=state, now=60))
+    assert n == 4
+    # Each next removal waits for downscale_step_s of fresh headroom: one replica per step.
+    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=61))
+    assert n == 4
+    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=65))
+    assert n == 4
+    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=66))
+    assert n == 3
+    # A rise in between: the full dwell again before the next removal.
+    n, state = p(ctx(3, running=[3.4] * 3, handle_queued=0.5, state=state, now=67))
+    n, state = p(ctx(3, running=[2] * 3, state=state, now=68))
+    n, state = p(ctx(3, running=[2] * 3, state=state, now=120))
+    assert n == 3
+    n, state = p(ctx(3, running=[2] * 3, state=state, now=128))
+    assert n == 2
+
+
+def test_no_scale_down_without_headroom_and_a_rise_restarts_the_dwell():
+    p = policy(downscale_dwell_s=60, downscale_headroom=0.8)
+    # 33 requests on 5 replicas: 4 would run at 82.5% > 80% -> stay.
+    n, state = p(ctx(5, running=[6.6] * 5, now=0))
+    n, state = p(ctx(5, running=[6.6] * 5, state=state, now=100))
+    assert n == 5
+    # Headroom, then a queue appears before the dwell ends: the dwell starts over.
+    n, state = p(ctx(5, running=[2] * 5, state=state, now=200))
+    n, state = p(ctx(5, running=[2] * 5, handle_queued=1, state=state, now=230))
+    n, state = p(ctx(5, running=[2] * 5, state=state, now=261))
+    assert n == 5
+    n, state = p(ctx(5, running=[2] * 5, state=state, now=320))
+    assert n == 5
+    n, state = p(ctx(5, running=[2] * 5, state=state, now=321))
+    assert n == 4
+
+
+def test_steady_load_inside_the_band_never_moves():
+    # Demand wandering between 62 and 80 on 8 replicas (capacity 80; 7 would be 56 at 80%): no change.
+    p = policy(downscale_dwell_s=10)
+    state: dict = {}
+    for t in range(0, 600, 1):
+        demand = 71 + 9 * ((t * 7919) % 13 - 6) / 6
+        n, state = p(ctx(8, running=[demand / 8] * 8, state=state, now=t))
+        assert n == 8
+
+
+def test_bounds_and_scale_to_zero_by_config():
+    p = policy(downscale_dwell_s=10, scale_to_zero_dwell_s=100)
+    # min 1: the last replica stays.
+    n, state = p(ctx(1, now=0, lo=1))
+    n, state = p(ctx(1, now=1000, lo=1, state=state))
+    assert n == 1
+    # min 0: after the zero dwell with no request at all.
+    n, state = p(ctx(1, now=0, lo=0))
+    n, state = p(ctx(1, now=99, lo=0, state=state))
+    assert n == 1
+    n, state = p(ctx(1, now=100, lo=0, state=state))
+    assert n == 0
+    # max bound holds under any burst.
+    n, _ = p(ctx(2, running=[10, 10], handle_queued=1000, hi=6))
+    assert n == 6
+
+
+def test_through_serves_wrapper_no_extra_delay_and_cold_start_from_zero():
+    """Serve wraps the policy; with the app's defaults for this policy its delays add nothing."""
+    wrapped = _apply_autoscaling_config(policy())
+    n, _ = wrapped(ctx(2, running=[10, 10], handle_queued=75))
+    assert n == 10
+    # Zero replicas and a request waiting at a handle: Serve's cold-start path asks for one.
+    n, _ = wrapped(ctx(0, ready=0, handle_queued=3, lo=0))
+    assert n == 1
+    # Serve's own delays would hold the same burst back (30 s upscale delay).
+    slow = _apply_autoscaling_config(policy())
+    n, _ = slow(ctx(2, running=[10, 10], handle_queued=75, config=AutoscalingConfig(
+        **AppAutoscaling(max_replicas=100, upscale_delay_s=30).to_serve())))
+    assert n == 2
+
+
+def test_plain_function_form_uses_default_knobs():
+    n, _ = queue_depth_policy(ctx(1, running=[48], handle_queued=48))
+    assert n == 2
+
+
+def test_app_config_defaults_knobs_and_serves_policy_selectable():
+    opts = llm_deployment_options(load_config({"autoscaling": {"min_replicas": 0, "max_replicas": 4,
+                                                               "policy_kwargs": {"target_running": 20}}}))
+    auto = opts["autoscaling_config"]
+    assert auto["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": {"target_running": 20}}
+    assert auto["upscale_delay_s"] == auto["downscale_delay_s"] == 0 and auto["metrics_interval_s"] <= 1
+    env = opts["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert float(env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"]) <= 1
+    assert float(env["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"]) <= 1
+    serve_policy = "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"
+    auto = llm_deployment_options(load_config({"autoscaling": {"policy": serve_policy}}))["autoscaling_config"]
+    assert auto["upscale_delay_s"] == 30 and auto["downscale_delay_s"] == 600
+
+
+def test_unknown_policy_knob_fails_the_deploy():
+    from deployments.app import ConfigError
+
+    with pytest.raises(ConfigError, match="target_runing"):
+        build_app({"autoscaling": {"policy_kwargs": {"target_runing": 3}}})
+
+
+def test_graceful_window_sized_from_max_model_len():
+    short = llm_deployment_options(load_config({"engine": {"model": "sim:cpu-smollm2", "max_model_len": 512}}))
+    long = llm_deployment_options(load_config({"engine": {"model": "sim:cpu-smollm2", "max_model_len": 2048}}))
+    assert long["graceful_shutdown_timeout_s"] > 3 * short["graceful_shutdown_timeout_s"]
+    fixed = llm_deployment_options(load_config({"replica": {"graceful_shutdown_timeout_s": 7}}))
+    assert fixed["graceful_shutdown_timeout_s"] == 7
