@@ -3,11 +3,11 @@
     records, duration = (r := await run_load(Target(url), requests, arrivals=offsets)).records, r.duration_s
     summary = bench_metrics.summarize(records, duration)
 
-What is timed (streaming): TTFT = the first chunk that carries text (a role-only chunk, as
-`transformers serve` sends at once, is not a token); ITL = the gaps between later text chunks (a
+What is timed (streaming): TTFT = the first chunk that carries tokens (a role-only chunk, as
+`transformers serve` sends at once, is not one); ITL = the gaps between later text chunks (a
 server that merges tokens into one chunk shows fewer, longer gaps, as in `vllm bench serve`); e2e =
 until the stream ends. Token counts come from the response's `usage` (asked for with
-`stream_options.include_usage`); a server that sends none gets its text chunks counted instead
+`stream_options.include_usage`); a server that sends none gets its token chunks counted instead
 (`tokens_from_usage` False). A request counts as failed with its HTTP status (0: no response) and the
 server's message, or with status 200 and an error when the stream broke off or carried an error event.
 """
@@ -109,10 +109,16 @@ def request_body(target: Target, model: str, messages_or_prompt, max_tokens: int
 
 
 def _chunk_text(event: dict, api: str) -> Optional[str]:
+    """The text of a chunk that carries tokens ('' when they decode to nothing yet); None for a chunk
+    that carries none: usage only, finish only, or a chat role announcement without content."""
     choices = event.get("choices") or []
     if not choices:
         return None
-    return (choices[0].get("delta") or {}).get("content") if api == "chat" else choices[0].get("text")
+    if api != "chat":
+        return choices[0].get("text")
+    delta = choices[0].get("delta") or {}
+    content = delta.get("content")
+    return content if content or (content is not None and "role" not in delta) else None
 
 
 def _error_message(raw: bytes) -> str:
@@ -162,7 +168,7 @@ async def send_one(client, target: Target, model: str, payload, max_tokens: int,
                 choices = event.get("choices") or []
                 if choices and choices[0].get("finish_reason"):
                     record.finish_reason = choices[0]["finish_reason"]
-                if not piece:
+                if piece is None:
                     continue
                 now = time.perf_counter()
                 if record.ttft_s is None:
