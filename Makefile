@@ -31,6 +31,9 @@ BENCH_ARGS ?=
 bench: install
 	$(BIN)/python -m load_tests.bench --base-url $(BENCH_URL) $(BENCH_ARGS)
 
+experiment: model
+	$(BIN)/python -m load_tests.experiment
+
 bench-offline: model
 	$(BIN)/python -m load_tests.offline
 

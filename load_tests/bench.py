@@ -59,7 +59,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     g.add_argument("--duration-s", type=float, help="send nothing new after this many seconds")
     g.add_argument("--timeout-s", type=float, default=600.0, help="per request")
-    g.add_argument("--warmup", type=int, default=0, help="requests sent one at a time first, not counted")
+    g.add_argument("--warmup", type=int, default=0, help="requests sent together first, not counted")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
@@ -99,9 +99,8 @@ async def sweep(target: Target, requests: Sequence[BenchRequest], rates: Sequenc
                 timeout_s: float = 600.0, slos=None, percentiles=(50, 90, 99), warmup: int = 0,
                 progress: bool = True, label: str = "", keep_records: bool = True, echo: bool = True) -> List[dict]:
     """One run per rate, the same requests each time; returns rows {label, rate, summary, records}."""
-    if warmup:
-        await run_load(target, [requests[i % len(requests)] for i in range(warmup)], max_concurrency=1,
-                       timeout_s=timeout_s)
+    if warmup:  # together, so the server also sees a batch before the first measured run
+        await run_load(target, [requests[i % len(requests)] for i in range(warmup)], timeout_s=timeout_s)
     rows = []
     for rate in rates:
         arrivals = arrival_offsets(len(requests), rate, burstiness, seed)
