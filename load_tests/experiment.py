@@ -39,8 +39,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m load_tests.experiment", description=__doc__.splitlines()[0])
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--rates", default="1,2,3,4,6,8", help="Poisson request rates (req/s), comma separated")
-    p.add_argument("--num-requests", type=int, default=48, help="per rate")
+    p.add_argument("--rates", default="1,2,4,8", help="Poisson request rates (req/s), comma separated")
+    p.add_argument("--num-requests", type=int, default=24, help="per rate, at least")
+    p.add_argument("--window-s", type=float, default=20.0,
+                   help="per rate: max(num-requests, rate x window) requests, so fast rates run long enough "
+                   "that the drain at the end does not dominate")
     p.add_argument("--input-len", type=int, default=64, help="prompt words (about one token each)")
     p.add_argument("--mean-output", type=float, default=32.0)
     p.add_argument("--cap", type=int, default=128)
@@ -58,7 +61,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="8 requests at 2 and 8 req/s, short outputs")
     args = p.parse_args(argv)
     if args.quick:
-        args.rates, args.num_requests, args.mean_output, args.cap = "2,8", 8, 8.0, 16
+        args.rates, args.num_requests, args.window_s, args.mean_output, args.cap = "2,8", 8, 0.0, 8.0, 16
         args.occupancy_requests = 16
     return args
 
@@ -136,17 +139,24 @@ def peer_server(model_dir: str, port: int, log_path: Path, start_timeout_s: floa
         log.close()
 
 
+def requests_at(rate: float, args) -> int:
+    return max(args.num_requests, int(rate * args.window_s))
+
+
 def run_sweep(name: str, target: Target, requests, args, slos) -> List[dict]:
-    print(f"\n== {name}: {len(requests)} requests at each of {args.rates} req/s ({target.root})", flush=True)
-    load0 = os.getloadavg()[0]
-    rows = asyncio.run(sweep(target, requests, parse_rates(args.rates), seed=args.seed, timeout_s=args.timeout_s,
-                             slos=slos, warmup=8, label=name, progress=sys.stderr.isatty(), echo=False))
-    for row in rows:
-        row["load_avg_1m_before"] = load0
+    """One run per rate over the first requests_at(rate) requests; 8 warm-up requests first."""
+    print(f"\n== {name}: rates {args.rates} req/s ({target.root})", flush=True)
+    rows = []
+    for i, rate in enumerate(parse_rates(args.rates)):
+        load0 = os.getloadavg()[0]
+        [row] = asyncio.run(sweep(target, requests[:requests_at(rate, args)], [rate], seed=args.seed,
+                                  timeout_s=args.timeout_s, slos=slos, warmup=0 if i else 8, label=name,
+                                  progress=sys.stderr.isatty(), echo=False))
+        row["load_avg_1m_before"], row["load_avg_1m_after"] = load0, os.getloadavg()[0]
+        rows.append(row)
         s = row["summary"]
         print(f"  {row['rate']:>5g} req/s: {s['completed']}/{s['requests']} done, {s['output_throughput']:.1f} out tok/s, "
-              f"e2e p50 {s['e2e_ms']['p50'] or 0:.0f} ms", flush=True)
-    rows[-1]["load_avg_1m_after"] = os.getloadavg()[0]
+              f"e2e p50 {s['e2e_ms']['p50'] or 0:.0f} ms, load {row['load_avg_1m_after']:.1f}", flush=True)
     return rows
 
 
@@ -159,7 +169,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slos = parse_slos(args.goodput)
-    requests = variance_requests(args.num_requests, args.input_len, args.mean_output, args.cap, "chat", args.seed)
+    most = max(requests_at(rate, args) for rate in parse_rates(args.rates))
+    requests = variance_requests(most, args.input_len, args.mean_output, args.cap, "chat", args.seed)
     started, by_system = time.perf_counter(), {}
     ours = [s for s in systems if s != "peer"]
     if ours:

@@ -66,12 +66,16 @@ def test_trace_is_bounded():
 
 
 def test_saturation_and_targets_are_computed_from_the_rows():
-    def row(rate, req_s, tok_s, e2e, good):
-        return {"rate": rate, "summary": {"request_throughput": req_s, "output_throughput": tok_s,
-                                          "e2e_ms": {"p50": e2e}, "goodput": {"request_goodput": good, "slos_ms": {"ttft": 1}}}}
-    static = [row(1, 0.95, 30, 900, 0.9), row(2, 1.2, 40, 3000, 0.5), row(4, 1.2, 40, 6000, 0.2)]
-    cont = [row(1, 0.97, 31, 800, 0.95), row(2, 1.9, 60, 1000, 1.8), row(4, 2.9, 90, 2000, 2.5)]
-    peer = [row(1, 0.96, 30, 850, 0.9), row(2, 1.5, 50, 2500, 1.0), row(4, 1.6, 52, 5000, 0.3)]
+    def row(rate, ttft_growth, tok_s, e2e, good):
+        # 9 requests whose TTFT grows from 0.2 s by `ttft_growth` s from first to last (a growing queue)
+        records = [{"status": 200, "error": "", "start_s": i / rate, "ttft_s": 0.2 + ttft_growth * i / 8}
+                   for i in range(9)]
+        return {"rate": rate, "records": records,
+                "summary": {"output_throughput": tok_s, "e2e_ms": {"p50": e2e},
+                            "goodput": {"request_goodput": good, "slos_ms": {"ttft": 1}}}}
+    static = [row(1, 0.1, 30, 900, 0.9), row(2, 3.0, 40, 3000, 0.5), row(4, 6.0, 40, 6000, 0.2)]
+    cont = [row(1, 0.0, 31, 800, 0.95), row(2, 0.2, 60, 1000, 1.8), row(4, 1.5, 90, 2000, 2.5)]
+    peer = [row(1, 0.1, 30, 850, 0.9), row(2, 2.0, 50, 2500, 1.0), row(4, 4.0, 52, 5000, 0.3)]
     assert saturation_rate(static) == 2 and saturation_rate(cont) == 4 and saturation_rate(cont[:2]) is None
     checks = {t["target"].split()[1]: t for t in targets({"static": static, "continuous": cont, "peer": peer})}
     assert checks[">="]["met"] and checks[">="]["value"] == pytest.approx(90 / 40)
