@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install model serve test bench-offline bench-serving bench-routing clean
+.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,17 @@ serve: model
 
 test: model
 	$(BIN)/python -m pytest -q tests
+
+# Load-test a running server: make bench BENCH_URL=http://127.0.0.1:8000 BENCH_ARGS="--request-rate 1,2,4"
+BENCH_URL ?= http://127.0.0.1:8000
+BENCH_ARGS ?=
+bench: install
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m load_tests.bench --base-url $(BENCH_URL) $(BENCH_ARGS)
+
+experiment: model
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m load_tests.experiment
 
 bench-offline: model
 	$(BIN)/python -m load_tests.offline

@@ -33,6 +33,7 @@ class EngineConfig(BaseModel):
     max_model_len: Optional[int] = Field(None, ge=1, description="Default: the model's context length.")
     num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default: all cores.")
     seed: int = 0
+    trace_steps: int = Field(0, ge=0, description="Record batch occupancy for this many steps (0: off).")
 
     @field_validator("model")
     @classmethod

@@ -23,6 +23,7 @@ from batcher.sampler import Sampler
 from batcher.sampling_params import SamplingParams
 from batcher.scheduler import Scheduler
 from batcher.sequence import Sequence
+from batcher.trace import OccupancyTrace
 
 Prompt = Union[str, List[int]]
 
@@ -76,6 +77,7 @@ class LLMEngine:
         self.requests: Dict[str, Request] = {}
         self.counters = EngineStats(kv_blocks_total=num_blocks)
         self.last_step_time = time.monotonic()
+        self.trace = OccupancyTrace(config.trace_steps) if config.trace_steps else None
 
     def _blocks_for_memory(self, mcfg) -> int:
         c = self.config
@@ -177,6 +179,8 @@ class LLMEngine:
             if reason:
                 self._finish(request, reason)
             deltas.append(self._delta(request))
+        if self.trace is not None:
+            self.trace.record(out.scheduled, {s.request_id for s in self.scheduler.running}, len(self.scheduler.waiting))
         c.generated_tokens += len(tokens)
         c.steps += 1
         c.forward_seconds += t2 - t1

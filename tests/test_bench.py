@@ -1,0 +1,153 @@
+"""The load generator: arrival processes (no server), then short runs against the tiny test app."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+
+import numpy as np
+import pytest
+
+from load_tests import bench
+from load_tests.arrivals import arrival_offsets, gaps
+from load_tests.bench_client import BenchRequest, Target, run_load
+from load_tests.bench_metrics import percentile, summarize
+from load_tests.bench_workloads import shared_prefix_chats, variance_requests
+
+
+# ---- arrivals: statistical checks with a fixed seed ---------------------------------------------
+
+def _ks_exponential(xs, rate) -> float:
+    """Kolmogorov-Smirnov distance between the sample and Exp(rate)."""
+    xs, n = sorted(xs), len(xs)
+    return max(max(abs((i + 1) / n - (1 - math.exp(-rate * x))), abs(i / n - (1 - math.exp(-rate * x))))
+               for i, x in enumerate(xs))
+
+
+def test_poisson_arrivals_have_exponential_gaps_at_the_rate():
+    offsets = arrival_offsets(4000, rate=5.0, seed=1)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    g = gaps(offsets)
+    assert abs(np.mean(g) - 0.2) < 0.2 * 0.05  # mean gap 1/rate within 5%
+    assert _ks_exponential(g, 5.0) < 1.36 / math.sqrt(len(g))  # KS test at the 5% level
+    # The wrong rate is rejected by the same test: the check can fail.
+    assert _ks_exponential(g, 4.0) > 1.36 / math.sqrt(len(g))
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 4.0])
+def test_gamma_arrivals_keep_the_rate_and_change_the_spread(burstiness):
+    g = gaps(arrival_offsets(4000, rate=2.0, burstiness=burstiness, seed=2))
+    assert abs(np.mean(g) - 0.5) < 0.5 * 0.08
+    cv = np.std(g) / np.mean(g)
+    assert abs(cv - 1 / math.sqrt(burstiness)) < 0.1 / math.sqrt(burstiness)  # Gamma(k): CV = 1/sqrt(k)
+
+
+def test_infinite_rate_sends_everything_at_once_and_seeds_repeat():
+    assert arrival_offsets(5, math.inf) == [0.0] * 5
+    assert arrival_offsets(50, 3.0, seed=7) == arrival_offsets(50, 3.0, seed=7) != arrival_offsets(50, 3.0, seed=8)
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for p in (0, 10, 50, 90, 99, 100):
+        assert percentile(xs, p) == pytest.approx(np.percentile(xs, p))
+
+
+# ---- against the tiny app (two replicas, real Ray Serve) -----------------------------------------
+
+def _close(a, b):
+    return a == pytest.approx(b, rel=1e-9, abs=1e-9)
+
+
+def test_generator_short_run_every_request_succeeds_and_metrics_agree(tiny_app, tmp_path):
+    out = tmp_path / "bench.json"
+    result = bench.main(["--base-url", tiny_app, "--api", "completions", "--workload", "variance",
+                         "--num-requests", "12", "--input-len", "16", "--mean-output", "6", "--cap", "12",
+                         "--request-rate", "40", "--goodput", "ttft:60000", "tpot:60000", "--json", str(out),
+                         "--no-progress", "--record-header", "Content-Type"])
+    saved = json.loads(out.read_text())
+    assert saved["runs"][0]["summary"] == json.loads(json.dumps(result["runs"][0]["summary"]))
+    [run] = saved["runs"]
+    s, records = run["summary"], run["records"]
+    expected = variance_requests(12, 16, 6, 12, "completions")
+    assert s["requests"] == s["completed"] == len(records) == 12 and s["failed"] == 0 and s["failures"] == []
+    assert sorted(r["index"] for r in records) == list(range(12))
+    for r in records:  # EOS ignored: every request got exactly what it asked for
+        assert r["status"] == 200 and r["error"] == "" and r["tokens_from_usage"]
+        assert r["output_tokens"] == expected[r["index"]].max_tokens and r["prompt_tokens"] > 0
+        assert 0 < r["ttft_s"] <= r["e2e_s"] and r["finish_reason"] == "length"
+        assert all(x >= 0 for x in r["itl_s"]) and r["ttft_s"] + sum(r["itl_s"]) <= r["e2e_s"] + 1e-6
+    # Every metric is there, and the percentiles are those of the per-request records.
+    for name, values in {"ttft_ms": [r["ttft_s"] for r in records], "e2e_ms": [r["e2e_s"] for r in records],
+                         "itl_ms": [x for r in records for x in r["itl_s"]],
+                         "tpot_ms": [(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1)
+                                     for r in records if r["output_tokens"] > 1]}.items():
+        assert s[name]["count"] == len(values) > 0
+        for p in ("p50", "p90", "p99"):
+            assert _close(s[name][p], np.percentile(np.array(values) * 1000, float(p[1:])))
+        assert _close(s[name]["mean"], np.mean(values) * 1000)
+    assert s["output_tokens"] == sum(r.max_tokens for r in expected)
+    assert _close(s["output_throughput"], s["output_tokens"] / s["duration_s"])
+    assert _close(s["request_throughput"], 12 / s["duration_s"])
+    assert s["goodput"]["good_requests"] == 12 and s["goodput"]["slos_ms"] == {"ttft": 60000, "tpot": 60000}
+    # Arrivals were spread (40 req/s): the last request started about 11 gaps after the first.
+    starts = sorted(r["start_s"] for r in records)
+    assert starts[-1] - starts[0] > 0.5 * max(arrival_offsets(12, 40.0))
+    assert {r["headers"]["content-type"].split(";")[0] for r in records} == {"text/event-stream"}
+
+
+def test_goodput_counts_only_requests_within_every_slo(tiny_app):
+    reqs = variance_requests(6, 8, 4, 8, "completions", seed=3)
+    res = asyncio.run(run_load(Target(tiny_app, api="completions"), reqs))
+    ttfts = sorted(r.ttft_s * 1000 for r in res.records)
+    cut = (ttfts[2] + ttfts[3]) / 2  # half the requests answered their first token under it
+    s = summarize(res.records, res.duration_s, {"ttft": cut})
+    assert s["goodput"]["good_requests"] == 3
+    assert _close(s["goodput"]["request_goodput"], 3 / res.duration_s)
+
+
+def test_failed_requests_are_counted_with_their_status(tiny_app):
+    ok = BenchRequest(prompt="Hello there", max_tokens=4)
+    too_long = BenchRequest(prompt="Hello there", max_tokens=10**6)  # over max_model_len: 400
+    res = asyncio.run(run_load(Target(tiny_app, api="completions"), [ok, too_long, ok]))
+    s = summarize(res.records, res.duration_s)
+    assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
+    [failure] = s["failures"]
+    assert failure["index"] == 1 and failure["status"] == 400 and "max_model_len" in failure["error"]
+    assert s["failures_by_status"] == {"400": 1}
+    unknown = asyncio.run(run_load(Target(tiny_app, model="no-such-model"), [ok, ok]))  # chat: prompt -> user turn
+    s = summarize(unknown.records, unknown.duration_s)
+    assert s["failed"] == 2 and s["failures_by_status"] == {"404": 2} and s["output_tokens"] == 0
+    assert s["ttft_ms"]["p50"] is None and s["request_throughput"] == 0
+
+
+def test_no_server_is_status_0_not_a_crash():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
+    res = asyncio.run(run_load(Target(f"http://127.0.0.1:{port}/v1", model="m"), [BenchRequest(prompt="x")] * 2,
+                               timeout_s=10))
+    assert [r.status for r in res.records] == [0, 0] and all("Connect" in r.error for r in res.records)
+
+
+def test_concurrency_and_duration_bounds(tiny_app):
+    reqs = variance_requests(8, 8, 6, 8, "completions", seed=4)
+    res = asyncio.run(run_load(Target(tiny_app, api="completions"), reqs, max_concurrency=2))
+    assert len(res.records) == 8 and all(r.ok for r in res.records)
+    events = sorted([(r.start_s, 1) for r in res.records] + [(r.start_s + r.e2e_s, -1) for r in res.records])
+    assert max(np.cumsum([d for _, d in events])) <= 2
+    arrivals = arrival_offsets(8, 4.0, seed=5)
+    res = asyncio.run(run_load(Target(tiny_app, api="completions"), reqs, arrivals, duration_s=1.0))
+    assert len(res.records) == sum(a < 1.0 for a in arrivals) < 8
+
+
+def test_multi_turn_chats_carry_the_answer_into_the_next_turn(tiny_app):
+    chats = shared_prefix_chats(3, num_prefixes=1, prefix_len=40, turns=2, user_len=6, max_tokens=5)
+    res = asyncio.run(run_load(Target(tiny_app), chats))
+    assert len(res.records) == 6 and all(r.ok and r.output_tokens == 5 for r in res.records)
+    by = {(r.index, r.turn): r for r in res.records}
+    for i in range(3):
+        first, second = by[(i, 0)], by[(i, 1)]
+        assert second.start_s >= first.start_s + first.e2e_s  # turn 2 waits for turn 1's answer
+        assert second.prompt_tokens > first.prompt_tokens + 5  # ...and holds it and the new user turn
