@@ -102,7 +102,7 @@ def write_report(out: Path, args, by_system: Dict[str, List[dict]], occupancy, s
     load = os.getloadavg()
     notes = [f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {os.cpu_count()} CPUs ({platform.platform()}); "
              f"1-min load average at the end {load[0]:.1f}. The machine is shared: other work may have run alongside.",
-             f"Workload: {args.num_requests} chat requests per rate, ~{args.input_len}-word prompts, output lengths "
+             f"Workload: max({args.num_requests}, rate x {args.window_s:g} s) chat requests per rate, ~{args.input_len}-word prompts, output lengths "
              f"exponential (mean {args.mean_output:g}) capped at {args.cap}, EOS ignored; Poisson arrivals; "
              f"model {args.model} fp32 on CPU; engine {args.threads} torch threads, max_num_seqs {args.max_num_seqs}, "
              f"static batches of {args.static_batch_size}."]
