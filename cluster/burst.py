@@ -66,20 +66,24 @@ class Load:
 
     async def client(self, client: httpx.AsyncClient, ident: int, tail: bool) -> None:
         n = 0
-        while not (self.stop_tail if tail else self.stop_burst):
+        # A closed client (the scenario ended, maybe on an error) fails at once: stop, don't spin.
+        while not (self.stop_tail if tail else self.stop_burst) and not client.is_closed:
             await self.one(client, ident * 100000 + n)
             n += 1
 
 
 def replicas(app: str) -> tuple:
     """(running replicas of LLMServer, node ids hosting one)."""
+    import ray
     from ray import serve
     from ray.util.state import list_actors
 
     status = serve.status().applications.get(app)
     dep = status.deployments.get("LLMServer") if status else None
     running = dep.replica_states.get("RUNNING", 0) if dep else 0
-    nodes = {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    # This cluster's address, not auto-detection (which refuses when another Ray runs on the machine).
+    address = ray.get_runtime_context().gcs_address
+    nodes = {a.node_id for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
              if a.class_name == f"ServeReplica:{app}:LLMServer"}
     return running, nodes
 
@@ -104,22 +108,35 @@ async def scenario(url: str, app: str, clients: int, max_replicas: int, up_timeo
         t_burst = time.time()
         burst = [asyncio.create_task(load.client(http, i, tail=False)) for i in range(clients)]
         tail = asyncio.create_task(load.client(http, clients, tail=True))
-        while time.time() - t_burst < up_timeout_s and sample() < max_replicas:
-            await asyncio.sleep(0.5)
-        out["seconds_to_max"] = round(time.time() - t_burst, 1) if out["timeline"][-1][1] >= max_replicas else None
-        out["max_replicas_seen"] = max(n for _, n in out["timeline"])
-        await asyncio.sleep(5)  # the burst goes on a little at full size
-        load.stop_burst = True
-        await asyncio.gather(*burst)
-        t_down = time.time()
-        while time.time() - t_down < down_timeout_s and sample() > 1:
-            await asyncio.sleep(0.5)
-        out["seconds_to_min"] = round(time.time() - t_down, 1) if out["timeline"][-1][1] <= 1 else None
-        load.stop_tail = True
-        await tail
+        try:
+            await _scale_up_then_down(load, out, sample, burst, tail, max_replicas, up_timeout_s, down_timeout_s)
+        finally:  # on any error too: no client may outlive the scenario
+            load.stop_burst = load.stop_tail = True
+            for task in (*burst, tail):
+                task.cancel()
+            await asyncio.gather(*burst, tail, return_exceptions=True)
     out.update(sent=load.counts["sent"], ok=load.counts["ok"], failed=sum(load.errors.values()),
                errors=dict(load.errors), nodes_with_replicas=len(nodes_seen))
     return out
+
+
+async def _scale_up_then_down(load: Load, out: dict, sample, burst, tail, max_replicas: int,
+                              up_timeout_s: float, down_timeout_s: float) -> None:
+    """Burst until max_replicas run, then the light tail until replicas are back to one."""
+    t_burst = time.time()
+    while time.time() - t_burst < up_timeout_s and sample() < max_replicas:
+        await asyncio.sleep(0.5)
+    out["seconds_to_max"] = round(time.time() - t_burst, 1) if out["timeline"][-1][1] >= max_replicas else None
+    out["max_replicas_seen"] = max(n for _, n in out["timeline"])
+    await asyncio.sleep(5)  # the burst goes on a little at full size
+    load.stop_burst = True
+    await asyncio.gather(*burst)
+    t_down = time.time()
+    while time.time() - t_down < down_timeout_s and sample() > 1:
+        await asyncio.sleep(0.5)
+    out["seconds_to_min"] = round(time.time() - t_down, 1) if out["timeline"][-1][1] <= 1 else None
+    load.stop_tail = True
+    await tail
 
 
 def _free_port() -> int:

@@ -141,13 +141,16 @@ def _pids_mentioning(text: str) -> List[int]:
 
 
 def status(state_dir: Path) -> dict:
+    # Every call names this cluster's address: with another Ray running on the machine (a test
+    # session's own), Ray's auto-detection finds two and refuses.
     info = json.loads((state_dir / "cluster.json").read_text())
     code = ("import json, ray; from ray.util.state import list_actors; "
             "ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
             "nodes = [{'id': n['NodeID'], 'alive': n['Alive'], 'resources': n['Resources']} for n in ray.nodes()]; "
             "reps = [{'name': a.class_name, 'node': a.node_id, 'state': a.state} for a in "
-            "list_actors(filters=[('state', '=', 'ALIVE')], limit=1000) if a.class_name.startswith('ServeReplica:')]; "
-            "print(json.dumps({'nodes': nodes, 'replicas': reps}))") % info["address"]
+            "list_actors(address=%r, filters=[('state', '=', 'ALIVE')], limit=1000) "
+            "if a.class_name.startswith('ServeReplica:')]; "
+            "print(json.dumps({'nodes': nodes, 'replicas': reps}))") % (info["address"], info["address"])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), timeout=120)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-2000:])
