@@ -9,7 +9,8 @@ HTTP, streaming chat with usage:
 - skew:   the same, one system prompt taking half the users;
 - unique: one-turn chats with a prompt of their own (nothing to share).
 Reports cached-token share, TTFT p50/p90, output tokens/s and the time-weighted max/mean of in-flight
-requests per replica (from the X-Iterserve-Replica header of each answer); writes JSON. Bounded: fixed sessions, a timeout per run.
+requests per replica (from the X-Iterserve-Replica header of each answer); writes JSON. Bounded: fixed sessions
+(users per replica x fleet size), a timeout per request. The client is the load generator's (load_tests.bench_client).
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ import asyncio
 import json
 import random
 import socket
-import statistics
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from load_tests.bench_client import BenchRequest, RequestRecord, Target, run_load
+from load_tests.bench_metrics import summarize as summarize_load
 
 ROUTERS = {
     "serve-default": None,
@@ -37,8 +39,12 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words)) + "."
 
 
-def sessions(kind: str, users: int, turns: int, system_words: int, user_words: int, seed: int) -> List[dict]:
-    """Each session: a system prompt and the user messages of its turns."""
+REPLICA_HEADER = "x-iterserve-replica"
+
+
+def sessions(kind: str, users: int, turns: int, system_words: int, user_words: int, max_tokens: int,
+             seed: int) -> List[BenchRequest]:
+    """One multi-turn chat per user: a system prompt, then its user turns, each sent after the last answer."""
     rng = random.Random(seed)
     systems = [f"System prompt {i}. " + text(rng, system_words) for i in range(4)]
     out = []
@@ -48,46 +54,23 @@ def sessions(kind: str, users: int, turns: int, system_words: int, user_words: i
         else:
             hot = kind == "skew" and u % 2 == 0
             system, n = systems[0 if hot else u % len(systems)], turns
-        out.append({"system": system, "turns": [f"User {u} turn {t}: " + text(rng, user_words) for t in range(n)]})
+        said = [f"User {u} turn {t}: " + text(rng, user_words) for t in range(n)]
+        out.append(BenchRequest(messages=[{"role": "system", "content": system}, {"role": "user", "content": said[0]}],
+                                followups=tuple(said[1:]), max_tokens=max_tokens, ignore_eos=True))
     return out
 
 
-async def chat(client, url: str, session: dict, max_tokens: int, records: List[dict]) -> None:
-    messages = [{"role": "system", "content": session["system"]}]
-    for content in session["turns"]:
-        messages.append({"role": "user", "content": content})
-        body = {"messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        t0, ttft, answer, usage = time.perf_counter(), None, [], None
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                records.append({"status": r.status_code})
-                return
-            replica = r.headers.get("x-iterserve-replica")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                event = json.loads(line[6:])
-                usage = event.get("usage") or usage
-                answer += [c["delta"].get("content") or "" for c in event.get("choices", [])]
-        end = time.perf_counter()
-        records.append({"status": 200, "ttft_s": ttft, "e2e_s": end - t0, "start_s": t0, "end_s": end, "replica": replica,
-                        "prompt_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
-        messages.append({"role": "assistant", "content": "".join(answer)})
-
-
-def inflight_imbalance(records: List[dict], num_replicas: int) -> Optional[float]:
+def inflight_imbalance(records: Sequence[RequestRecord], num_replicas: int) -> Optional[float]:
     """Max/mean in-flight requests per replica, averaged over time weighted by the requests in flight
     (an imbalance matters when there is load: the tail of a run, one request left on one replica,
     weighs little), from when each request was in flight and which replica served it
     (X-Iterserve-Replica). Replicas that served nothing count as idle ones."""
-    replicas = sorted({r["replica"] for r in records if r.get("replica")})
+    served = [(r.start_s, r.start_s + r.e2e_s, r.headers[REPLICA_HEADER]) for r in records if REPLICA_HEADER in r.headers]
+    replicas = sorted({replica for _, _, replica in served})
     if not replicas:
         return None
-    events = sorted([(r["start_s"], 1, r["replica"]) for r in records if r.get("replica")] +
-                    [(r["end_s"], -1, r["replica"]) for r in records if r.get("replica")])
+    events = sorted([(start, 1, replica) for start, _, replica in served] +
+                    [(end, -1, replica) for _, end, replica in served])
     count, weighted, total, last = dict.fromkeys(replicas, 0), 0.0, 0.0, events[0][0]
     for t, delta, replica in events:
         n = sum(count.values())
@@ -99,16 +82,12 @@ def inflight_imbalance(records: List[dict], num_replicas: int) -> Optional[float
     return weighted / total if total else None
 
 
-def summarize(records: List[dict], wall_s: float, num_replicas: int) -> dict:
-    ok = [r for r in records if r["status"] == 200]
-    ttft = sorted(r["ttft_s"] * 1000 for r in ok)
-    pct = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))]  # noqa: E731
-    prompt = sum(r["prompt_tokens"] for r in ok)
-    return {"requests": len(records), "failed": len(records) - len(ok),
-            "cached_share": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
-            "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p90": pct(0.9),
-            "output_tokens_per_s": sum(r["output_tokens"] for r in ok) / wall_s, "wall_s": wall_s,
-            "inflight_max_over_mean": inflight_imbalance(ok, num_replicas)}
+def summarize(records: Sequence[RequestRecord], wall_s: float, num_replicas: int) -> dict:
+    s = summarize_load(records, wall_s)
+    return {"requests": s["requests"], "failed": s["failed"], "cached_share": s.get("cached_token_share", 0.0),
+            "ttft_ms_p50": s["ttft_ms"]["p50"], "ttft_ms_p90": s["ttft_ms"]["p90"],
+            "output_tokens_per_s": s["output_throughput"], "wall_s": wall_s,
+            "inflight_max_over_mean": inflight_imbalance([r for r in records if r.ok], num_replicas)}
 
 
 def app_config(args, router_class: Optional[str], replicas: int) -> dict:
@@ -122,7 +101,6 @@ def app_config(args, router_class: Optional[str], replicas: int) -> dict:
 
 
 def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str) -> Dict[str, Dict[str, dict]]:
-    import httpx
     from ray import serve
 
     results: Dict[str, Dict[str, dict]] = {}
@@ -130,18 +108,12 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str) -> Di
         app = f"route{replicas}{name.replace('-', '')}"
         serve.run(application, name=app, route_prefix=f"/{app}")
         url = f"{url_base}/{app}"
+        users = args.users_per_replica * replicas
+        target = Target(url, record_headers=(REPLICA_HEADER,))
         for kind in args.workloads:
-            work = sessions(kind, args.users, args.turns, args.system_words, args.user_words, args.seed)
-            records: List[dict] = []
-
-            async def go():
-                limits = httpx.Limits(max_connections=args.users + 8)
-                async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client:
-                    await asyncio.wait_for(asyncio.gather(*(chat(client, url, s, args.max_tokens, records)
-                                                            for s in work)), args.timeout_s)
-            t0 = time.perf_counter()
-            asyncio.run(go())
-            results.setdefault(kind, {})[name] = summarize(records, time.perf_counter() - t0, replicas)
+            work = sessions(kind, users, args.turns, args.system_words, args.user_words, args.max_tokens, args.seed)
+            result = asyncio.run(run_load(target, work, timeout_s=args.timeout_s))
+            results.setdefault(kind, {})[name] = summarize(result.records, result.duration_s, replicas)
             print(f"  {replicas} replicas, {name:20s} {kind:7s} {results[kind][name]}", flush=True)
         serve.delete(app)
     return results
@@ -187,7 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--preset", default="cpu-smollm2",
                    help="simulated replicas; with sim:h100-llama3-8b's millisecond steps, Serve's own plumbing on "
                    "this 2-core machine outweighs the modelled work and hides the routing")
-    p.add_argument("--users", type=int, default=16, help="concurrent chat sessions")
+    p.add_argument("--users-per-replica", type=int, default=4,
+                   help="concurrent chat sessions per replica (every fleet gets the same load per replica)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-words", type=int, default=300, help="~1.3 tokens a word")
     p.add_argument("--user-words", type=int, default=40)
