@@ -37,14 +37,16 @@ def sim_apps(serve_cluster):
 
 
 async def chat_sessions(url: str, users: int, turns: int) -> tuple:
-    """`users` concurrent multi-turn chats sharing one system prompt; returns (prompt, cached) tokens."""
+    """`users` concurrent multi-turn chats sharing one system prompt; returns (prompt, cached) tokens.
+    The history outweighs the system prompt (which any router ends up caching everywhere), so the
+    share measures whether turn n+1 finds turn n."""
     system = "You are a helpful assistant of the simulation test suite. " * 4
     totals = [0, 0]
 
     async def user(client, u):
         messages = [{"role": "system", "content": system}]
         for t in range(turns):
-            messages.append({"role": "user", "content": f"User {u}, turn {t}: " + f"tell me about topic {u}. " * 4})
+            messages.append({"role": "user", "content": f"User {u}, turn {t}: " + f"tell me about topic {u}. " * 12})
             r = await client.post(f"{url}/v1/chat/completions",
                                   json={"messages": messages, "max_tokens": 8, "temperature": 0})
             assert r.status_code == 200, r.text
