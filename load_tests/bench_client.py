@@ -77,6 +77,7 @@ class RequestRecord:
     tokens_from_usage: bool = False
     finish_reason: Optional[str] = None
     headers: Dict[str, str] = field(default_factory=dict)
+    output_text: Optional[str] = None  # the answer (benchmarks compare greedy answers across systems)
 
     @property
     def ok(self) -> bool:
@@ -202,6 +203,7 @@ async def _session(client, target: Target, model: str, index: int, req: BenchReq
         try:
             answer = await asyncio.wait_for(
                 send_one(client, target, model, payload, req.max_tokens, req.ignore_eos, record, t_run0), timeout_s)
+            record.output_text = answer
         except asyncio.TimeoutError:
             record.error = f"timeout after {timeout_s:g} s"
         except Exception as e:  # connection refused or reset, malformed stream: a failure, not a crash

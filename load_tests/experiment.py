@@ -17,9 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +28,7 @@ from load_tests.bench_client import Target
 from load_tests.bench_metrics import parse_slos
 from load_tests.bench_workloads import variance_requests
 from load_tests.experiment_report import write_report
+from load_tests.servers import free_port, peer_server
 
 SYSTEMS = ("static", "continuous", "peer")
 
@@ -66,12 +64,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def app_config(args, scheduling: str) -> dict:
     engine = {"model": args.model, "device": "cpu", "dtype": "float32", "num_threads": args.threads,
               "max_num_seqs": args.max_num_seqs, "scheduling": scheduling,
@@ -85,7 +77,7 @@ def local_serve():
     import ray
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              logging_level="ERROR")
     try:
@@ -103,40 +95,6 @@ def deploy(base: str, name: str, config: dict) -> str:
 
     serve.run(build_app(config), name=name, route_prefix=f"/{name}")
     return f"{base}/{name}"
-
-
-@contextlib.contextmanager
-def peer_server(model_dir: str, port: int, log_path: Path, start_timeout_s: float):
-    """`transformers serve` in its own process group; ready when GET /health answers 200."""
-    import httpx
-
-    exe = Path(sys.executable).parent / "transformers"
-    cmd = [str(exe), "serve", model_dir, "--continuous-batching", "--device", "cpu", "--dtype", "float32",
-           "--host", "127.0.0.1", "--port", str(port)]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited with {proc.returncode}; see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"transformers serve not ready after {start_timeout_s:.0f} s; see {log_path}")
-            time.sleep(1)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)  # the group we started: the server and its workers
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def requests_at(rate: float, args) -> int:
@@ -185,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         from batcher.model_loader import embedded_model_dir
 
         model_dir = str(embedded_model_dir()) if args.model == "smollm2-135m-instruct" else args.model
-        with peer_server(model_dir, args.peer_port or _free_port(), out / "peer.log", args.peer_start_timeout_s) as url:
+        with peer_server(model_dir, args.peer_port or free_port(), out / "peer.log", args.peer_start_timeout_s) as url:
             target = Target(url, model=model_dir, ignore_eos_as="generation_config")
             by_system["peer"] = run_sweep("peer", target, requests, args, slos)
     from load_tests.occupancy import occupancy_pair
