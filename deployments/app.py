@@ -122,4 +122,4 @@ def build_app(args: dict) -> Application:
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
         ray_actor_options={"num_cpus": ing.num_cpus, **_runtime_env(metric_push_env(cfg))},
     )
-    return ingress.bind(llm, cfg.model_name, cfg.engine.model, ing.overload_status_code, ing.retry_after_s)
+    return ingress.bind(llm, cfg.model_name, cfg.engine.model, ing.model_dump())

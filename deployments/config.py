@@ -5,7 +5,7 @@ message that names the field (pydantic's `loc`), instead of being silently ignor
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,6 +45,29 @@ class ReplicaConfig(BaseModel):
     env_vars: Dict[str, str] = Field(default_factory=dict, description="Extra env vars of replica processes.")
 
 
+class LimitsConfig(BaseModel):
+    """What one request may ask of the server: the ingress refuses more with a 4xx naming the limit
+    (`ingress.limits.<field>`). HTTP and Python-handle requests get the same checks."""
+
+    model_config = _STRICT
+
+    max_body_bytes: Optional[int] = Field(
+        None, ge=1024, description="Largest HTTP request body (413 beyond it, before the body is read in "
+        "full). None: max_model_len x bytes_per_token + 64 KiB.")
+    max_prompt_chars: Optional[int] = Field(
+        None, ge=1, description="Most characters of prompt text (a prompt string, or all message contents "
+        "together), checked before tokenizing. None: max_model_len x bytes_per_token.")
+    bytes_per_token: int = Field(
+        32, ge=1, description="Sizes the two limits above from the context window: ~4 characters per "
+        "token in English, up to 12 bytes for JSON-escaped non-ASCII text, 8 per token id in a list.")
+    max_messages: int = Field(1024, ge=1, description="Most chat messages, and most content parts in one.")
+    max_stop: int = Field(16, ge=0, description="Most stop strings (and most stop_token_ids).")
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_top_logprobs: int = Field(20, ge=0, le=20, description="Most alternatives per token (logprobs/top_logprobs).")
+    max_user_chars: int = Field(256, ge=1, description="Longest `user` field (OpenAI's end-user id).")
+    max_request_id_chars: int = Field(256, ge=1, description="Longest request_id a Python caller may set.")
+
+
 class IngressConfig(BaseModel):
     """The HTTP front (FastAPI) deployment."""
 
@@ -55,6 +78,14 @@ class IngressConfig(BaseModel):
     max_ongoing_requests: int = Field(1024, ge=1, description="Open HTTP requests per ingress replica.")
     overload_status_code: Literal[429, 503] = Field(429, description="Status of a request refused for overload.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with overload errors.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    api_keys_env: Optional[str] = Field(
+        None, min_length=1, description="Name of an env var of the ingress process holding comma-separated API "
+        "keys (set it in the serve_config's runtime_env.env_vars). The keys themselves never appear in config.")
+    api_key_file: Optional[str] = Field(
+        None, min_length=1, description="Path (on the ingress's node) of a file with one API key per line.")
+    cors_allow_origins: List[str] = Field(
+        default_factory=list, description="Origins allowed by CORS, e.g. ['https://app.example']; [] = CORS off.")
 
 
 class StreamConfig(BaseModel):

@@ -33,9 +33,13 @@ def validation_error(exc: pydantic.ValidationError | list, prefix: str = "") -> 
     """400 naming the first offending field (from a pydantic error or FastAPI's error list)."""
     errors = exc.errors() if isinstance(exc, pydantic.ValidationError) else exc
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":  # FastAPI's: loc is ("body", position)
+        return APIError(400, f"invalid JSON in the request body at position {first['loc'][-1]}: "
+                        f"{(first.get('ctx') or {}).get('error', first.get('msg'))}")
+    loc = [clip(str(p)) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    message = f"{prefix}{param + ': ' if param else ''}{first.get('msg', 'invalid value')}"
+    where = f"{param}: " if param else "request body: " if list(first.get("loc", ())) == ["body"] else ""
+    message = f"{prefix}{where}{first.get('msg', 'invalid value')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return APIError(400, message, param=param)
@@ -63,6 +67,11 @@ def overload_error(status_code: int, retry_after_s: int) -> APIError:
                     type=kind, code="overloaded", retry_after_s=retry_after_s)
 
 
+def clip(text: str, limit: int = 64) -> str:
+    """Client text echoed in an error, cut short: a 1 MB field name must not come back as 1 MB."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def model_not_found(name: Optional[str], served: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist. This server serves `{served}`.",
+    return APIError(404, f"The model `{clip(str(name))}` does not exist. This server serves `{served}`.",
                     param="model", code="model_not_found")

@@ -18,12 +18,16 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
-from deployments.errors import APIError, engine_error, model_not_found, overload_error, validation_error
+from deployments.auth import APIKeyAuth, load_api_keys
+from deployments.config import IngressConfig
+from deployments.errors import APIError, clip, engine_error, model_not_found, overload_error, validation_error
 from deployments.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                          ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatMessageOut,
                                          Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                          ModelCard, ModelList, Usage, new_id)
+from deployments.limits import BodySizeLimit, RequestLimits
 from deployments.prompts import prepare
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo
 from router import feedback
@@ -42,13 +46,20 @@ async def _api_error(_: Request, e: APIError):
 
 
 @api.exception_handler(RequestValidationError)
-async def _invalid_body(_: Request, e: RequestValidationError):
+async def _invalid_body(request: Request, e: RequestValidationError):
+    content_type = request.headers.get("content-type", "")
+    if request.method == "POST" and "json" not in content_type:  # FastAPI then parses no body at all
+        return _error_response(APIError(400, "request body must be JSON sent with Content-Type: application/json"
+                                         f" (got {clip(content_type) or 'none'!r})"))
     return _error_response(validation_error(e.errors()))
 
 
 @api.exception_handler(HTTPException)
 async def _http_error(_: Request, e: HTTPException):
-    return _error_response(APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+    message = str(e.detail)
+    if e.__cause__ is not None:  # e.g. a body that is not UTF-8: say what FastAPI could not parse
+        message += f": {type(e.__cause__).__name__}: {e.__cause__}"
+    return _error_response(APIError(e.status_code, message, code=str(e.status_code)))
 
 
 def _cancel(response) -> None:
@@ -66,22 +77,38 @@ def _sse(obj) -> str:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, llm: DeploymentHandle, model_name: str, engine_model: str, overload_status_code: int = 429,
-                 retry_after_s: int = 1):
+    def __init__(self, llm: DeploymentHandle, model_name: str, engine_model: str,
+                 ingress_config: Optional[dict] = None):
         from batcher.model_loader import load_tokenizer
+
+        self.config = IngressConfig.model_validate(ingress_config or {})
+        self.api_keys = load_api_keys(self.config.api_keys_env, self.config.api_key_file)  # fails the deploy
 
         # Chat template and tokenization happen here, once per request (see deployments/prompts.py).
         self.tokenizer = load_tokenizer(engine_model)
         self.llm = llm
         self.llm_stream = llm.options(stream=True)
         self.model_name = model_name
-        self.overload = (overload_status_code, retry_after_s)
+        self.overload = (self.config.overload_status_code, self.config.retry_after_s)
         self._info: Optional[ModelInfo] = None
+        self._limits: Optional[RequestLimits] = None
+
+    def __serve_build_asgi_app__(self):
+        """Serve calls this once per replica after __init__: the app with this replica's guards,
+        outermost first: CORS (so refusals carry its headers too), API keys, body size."""
+        app = self._asgi_app
+        app.add_middleware(BodySizeLimit, max_bytes=self._max_body_bytes)
+        if self.api_keys is not None:
+            app.add_middleware(APIKeyAuth, keys=self.api_keys)
+        if self.config.cors_allow_origins:
+            app.add_middleware(CORSMiddleware, allow_origins=self.config.cors_allow_origins, allow_methods=["*"],
+                               allow_headers=["*"], expose_headers=[REPLICA_HEADER, "Retry-After"])
+        return app
 
     # ---- typed Python API (other Ray jobs) -------------------------------------------------------
 
     async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
-        request = prepare(self.tokenizer, request)
+        request = prepare(self.tokenizer, request, await self._request_limits())
         response = self.llm.generate.remote(request)
         try:
             out = await response
@@ -94,7 +121,7 @@ class OpenAIIngress:
         return out
 
     async def stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
-        request = prepare(self.tokenizer, request)
+        request = prepare(self.tokenizer, request, await self._request_limits())
         gen = self.llm_stream.stream.remote(request)
         finished, output = False, []
         try:
@@ -128,7 +155,7 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, response: Response):
         rid, created = new_id("chatcmpl"), int(time.time())
-        request = self._to_generate(body, rid)
+        request = await self._to_generate(body, rid)
         if body.stream:
             return await self._stream_response(request, self._chat_events(body, rid, created))
         out = await self.generate(request)
@@ -143,7 +170,7 @@ class OpenAIIngress:
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, response: Response):
         rid, created = new_id("cmpl"), int(time.time())
-        request = self._to_generate(body, rid)
+        request = await self._to_generate(body, rid)
         if body.stream:
             return await self._stream_response(request, self._completion_events(body, rid, created))
         out = await self.generate(request)
@@ -158,14 +185,16 @@ class OpenAIIngress:
 
     # ---- helpers ---------------------------------------------------------------------------------
 
-    def _to_generate(self, body, rid: str) -> GenerateRequest:
-        if body.model is not None and body.model != self.model_name:
+    async def _to_generate(self, body, rid: str) -> GenerateRequest:
+        if body.model is not None and body.model != self.model_name:  # a name, never a path: nothing is loaded
             raise model_not_found(body.model, self.model_name)
+        limits = await self._request_limits()
+        limits.check_user(body.user)
         try:
             request = body.to_generate(rid)
         except ValueError as e:  # pydantic.ValidationError is a ValueError
             raise engine_error(e) from None
-        return prepare(self.tokenizer, request)
+        return prepare(self.tokenizer, request, limits)
 
     async def _stream_response(self, request: GenerateRequest, events) -> StreamingResponse:
         """Waits for the first chunk before answering, so errors keep their status code."""
@@ -236,6 +265,21 @@ class OpenAIIngress:
 
     async def _model_info(self) -> ModelInfo:
         return self._info or await self._fetch_model_info()
+
+    async def _request_limits(self) -> RequestLimits:
+        """The limits, sized from the replicas' context window (asked once, on first need)."""
+        if self._limits is None:
+            try:
+                info = await self._model_info()
+            except Exception as e:
+                raise self._api_error(e) from None
+            self._limits = RequestLimits(self.config.limits, info.max_model_len, len(self.tokenizer))
+        return self._limits
+
+    async def _max_body_bytes(self) -> int:
+        if self.config.limits.max_body_bytes is not None:  # known without asking a replica
+            return self.config.limits.max_body_bytes
+        return (await self._request_limits()).max_body_bytes
 
     def _api_error(self, e: Exception) -> APIError:
         """Whatever a handle call raised -> the error the client sees."""

@@ -20,7 +20,8 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # JSON's NaN and Infinity tokens (Python's json accepts them) are refused, naming the field.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)

@@ -7,11 +7,12 @@ without the ingress. Same tokenizer, same template, same ids as the offline engi
 from __future__ import annotations
 
 import uuid
-from typing import List, Union
+from typing import List, Optional, Union
 
 import pydantic
 
 from deployments.errors import APIError, engine_error
+from deployments.limits import RequestLimits
 from deployments.protocol import GenerateRequest
 
 
@@ -30,17 +31,26 @@ def prompt_token_ids(tokenizer, request: GenerateRequest) -> List[int]:
     return list(request.prompt)
 
 
-def prepare(tokenizer, request: Union[GenerateRequest, dict]) -> GenerateRequest:
-    """Validates a request, gives it an id and its prompt token ids. Errors are 400 APIErrors."""
+def prepare(tokenizer, request: Union[GenerateRequest, dict], limits: Optional[RequestLimits] = None
+            ) -> GenerateRequest:
+    """Validates a request, gives it an id and its prompt token ids. Errors are 400 APIErrors.
+    With `limits` (the ingress), sizes are checked before tokenizing and the tokens after, also
+    for a request that arrives prepared: a caller's own prompt_token_ids are not trusted."""
     try:
+        # Only a GenerateRequest object can come prepared (by the ingress); a dict is always tokenized.
+        prepared = isinstance(request, GenerateRequest) and request.request_id and request.prompt_token_ids is not None
         if not isinstance(request, GenerateRequest):
             request = GenerateRequest.model_validate(request)
-        elif request.request_id and request.prompt_token_ids is not None:
-            return request  # prepared already (the ingress did it)
-        return request.model_copy(update={
-            "request_id": request.request_id or uuid.uuid4().hex,
-            "prompt_token_ids": prompt_token_ids(tokenizer, request),
-        })
+        if limits is not None:
+            limits.check_request(request)
+        if not prepared:
+            request = request.model_copy(update={
+                "request_id": request.request_id or uuid.uuid4().hex,
+                "prompt_token_ids": prompt_token_ids(tokenizer, request),
+            })
+        if limits is not None:
+            limits.check_tokens(request)
+        return request
     except pydantic.ValidationError as e:
         raise engine_error(e) from None
     except APIError:
