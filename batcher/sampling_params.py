@@ -13,7 +13,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    seed: Optional[int] = Field(None, description="Per-request seed: same tokens whatever the batch.")
+    seed: Optional[int] = Field(None, ge=-2**63, lt=2**64, description="Per-request seed: same tokens whatever the batch (64 bits, as torch.Generator takes).")
     stop: List[str] = Field(default_factory=list, description="Stop strings (not included in text).")
     stop_token_ids: List[int] = Field(default_factory=list)
     ignore_eos: bool = False
