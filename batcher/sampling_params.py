@@ -6,6 +6,9 @@ from typing import List, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+SEED_RANGE = (-(2**63), 2**64)
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -13,7 +16,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    seed: Optional[int] = Field(None, ge=-2**63, lt=2**64, description="Per-request seed: same tokens whatever the batch (64 bits, as torch.Generator takes).")
+    seed: Optional[int] = Field(None, description="Per-request seed: same tokens whatever the batch.")
     stop: List[str] = Field(default_factory=list, description="Stop strings (not included in text).")
     stop_token_ids: List[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -31,6 +34,14 @@ class SamplingParams(BaseModel):
         if any(not s for s in v):
             raise ValueError("stop strings must not be empty")
         return list(v)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_fits_a_generator(cls, v: Optional[int]) -> Optional[int]:
+        # torch.Generator.manual_seed takes [-2**63, 2**64); past that the engine would crash mid-step
+        if v is not None and not SEED_RANGE[0] <= v < SEED_RANGE[1]:
+            raise ValueError(f"must be a 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1] - 1}]")
+        return v
 
     @property
     def greedy(self) -> bool:

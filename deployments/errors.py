@@ -39,7 +39,8 @@ def validation_error(exc: pydantic.ValidationError | list, prefix: str = "") -> 
     loc = [clip(str(p)) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     where = f"{param}: " if param else "request body: " if list(first.get("loc", ())) == ["body"] else ""
-    message = f"{prefix}{where}{first.get('msg', 'invalid value')}"
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's wrapping of our validators
+    message = f"{prefix}{where}{msg}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return APIError(400, message, param=param)

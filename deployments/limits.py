@@ -19,7 +19,6 @@ from deployments.errors import APIError
 from deployments.protocol import GenerateRequest
 
 BODY_OVERHEAD_BYTES = 64 * 1024  # the JSON around the prompt: sampling fields, stop strings, roles
-INT64 = (-(2**63), 2**63 - 1)  # seeds: the sampler's torch.Generator takes no more
 
 
 def limit_error(param: str, what: str, name: str, value) -> APIError:
@@ -74,8 +73,6 @@ class RequestLimits:
         if request.top_k > self.vocab_size:
             raise APIError(400, f"top_k: {request.top_k} is more than the vocabulary ({self.vocab_size} tokens)",
                            param="top_k")
-        if request.seed is not None and not INT64[0] <= request.seed <= INT64[1]:
-            raise APIError(400, f"seed: must be a 64-bit integer in [{INT64[0]}, {INT64[1]}]", param="seed")
         if request.max_tokens is not None and request.max_tokens > self.max_model_len:
             raise APIError(400, f"max_tokens: {request.max_tokens} is more than max_model_len {self.max_model_len}",
                            param="max_tokens", code="context_length_exceeded")

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from deployments.auth import APIKeyAuth, APIKeyConfigError, APIKeys, load_api_keys
 from deployments.config import AppConfig, LimitsConfig
-from deployments.errors import APIError
+from deployments.errors import APIError, validation_error
 from deployments.limits import BODY_OVERHEAD_BYTES, BodySizeLimit, RequestLimits
 from deployments.protocol import GenerateRequest
 
@@ -38,8 +38,6 @@ def _refused(request: dict, limits: RequestLimits = LIMITS) -> APIError:
     ({"messages": [{"role": "user", "content": [{"text": "x"}] * 1025}]}, "messages.0.content", "max_messages"),
     ({"messages": [{"role": "user", "content": "x" * 40000}] * 2}, "messages", "80000 characters"),
     ({"prompt": "x", "top_k": 1001}, "top_k", "vocabulary (1000"),
-    ({"prompt": "x", "seed": 2**64}, "seed", "64-bit"),
-    ({"prompt": "x", "seed": -(2**63) - 1}, "seed", "64-bit"),
     ({"prompt": "x", "max_tokens": 2049}, "max_tokens", "max_model_len 2048"),
     ({"prompt": "x", "request_id": "r" * 257}, "request_id", "max_request_id_chars = 256"),
     ({"prompt": "a\ud800"}, "prompt", "not valid Unicode"),
@@ -49,6 +47,15 @@ def _refused(request: dict, limits: RequestLimits = LIMITS) -> APIError:
 def test_each_limit_is_a_400_naming_field_and_limit(request_, param, named):
     err = _refused(request_)
     assert err.param == param and named in err.message and err.message.startswith(param)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_past_64_bits_fails_validation_naming_the_range(seed):
+    # checked by SamplingParams itself, so a caller reaching the LLM deployment directly is refused too
+    with pytest.raises(ValueError, match="64-bit integer") as info:
+        GenerateRequest(prompt="x", seed=seed)
+    assert validation_error(info.value).param == "seed"
+    GenerateRequest(prompt="x", seed=2**64 - 1)  # the largest torch.Generator takes
 
 
 def test_limits_follow_the_config():
