@@ -73,8 +73,10 @@ def _run_workload(client) -> dict:
     for bad in ({"model": "no-such-model"}, {"n": 2}, {"max_tokens": 5000}):
         r = _chat(client, **bad)
         seen["errors"].append((r.status_code, r.json()["error"]["type"]))
+    r = client.post("/v1/completions", json={"prompt": "x" * 80_000})  # over the body limit: 413 before parsing
+    seen["errors"].append((r.status_code, r.json()["error"]["type"]))
     assert seen["errors"] == [(404, "invalid_request_error"), (400, "invalid_request_error"),
-                              (400, "invalid_request_error")]
+                              (400, "invalid_request_error"), (413, "invalid_request_error")]
     seen["replicas"] = {ok[3] for ok in seen["ok"]}
     return seen
 
@@ -117,6 +119,7 @@ def test_metrics_scraped_after_requests(serve_cluster, obs):
         ("ray_iterserve_kv_blocks_free", ()): KV_BLOCKS,  # every block back
         ("ray_iterserve_errors_total", (("error_type", "invalid_request_error"), ("status_code", "404"))): 1,
         ("ray_iterserve_errors_total", (("error_type", "invalid_request_error"), ("status_code", "400"))): 2,
+        ("ray_iterserve_errors_total", (("error_type", "invalid_request_error"), ("status_code", "413"))): 1,
     }
     deadline, got = time.monotonic() + 30, {}  # Ray exports custom metrics every few seconds
     while True:
@@ -156,7 +159,7 @@ def test_one_log_line_per_request_without_text(obs):
     ok, errors = obs["ok"], obs["errors"]
     deadline = time.monotonic() + 10
     while len(lines := _request_lines(APP)) < len(ok) + 2 and time.monotonic() < deadline:
-        time.sleep(0.5)  # the n=2 error comes before a request id exists: no line for it
+        time.sleep(0.5)  # n=2 and the 413 are refused before a request id exists: no line for them
     by_id = {line["request_id"]: line for line in lines}
     assert len(by_id) == len(lines) == len(ok) + 2  # one line per request, errors with an id included
     for rid, stream, usage, replica, _ in ok:
