@@ -131,6 +131,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         self.requests[rid] = request
         self.scheduler.add(request.seq)
+        self.counters.prompt_tokens += request.seq.num_prompt_tokens
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None) -> str:

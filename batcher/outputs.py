@@ -51,6 +51,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     steps: int = 0
     tokens_computed: int = 0  # tokens whose K/V a step computed: prefill, recompute and decode
+    prompt_tokens: int = 0  # prompt tokens of every request added (once per request, not per recompute)
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0

@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from deployments import metrics
 from deployments.errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without a key
@@ -97,4 +98,5 @@ def _route_path(scope: Scope) -> str:
 
 async def _refuse(message: str, scope: Scope, receive: Receive, send: Send) -> None:
     e = APIError(401, message, code="invalid_api_key")
+    metrics.count_error(e.status_code, e.type)
     await JSONResponse(e.body(), 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from deployments import metrics, request_log
 from deployments.auth import APIKeyAuth, load_api_keys
 from deployments.config import IngressConfig
 from deployments.errors import APIError, clip, engine_error, model_not_found, overload_error, validation_error
@@ -37,6 +38,8 @@ api = FastAPI(title="iterserve", description="OpenAI-compatible LLM serving on R
 
 
 def _error_response(e: APIError) -> JSONResponse:
+    metrics.count_error(e.status_code, e.type)
+    request_log.failed(e.status_code, e.type)
     return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers())
 
 
@@ -155,10 +158,12 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, response: Response):
         rid, created = new_id("chatcmpl"), int(time.time())
+        log = request_log.begin(rid, bool(body.stream))
         request = await self._to_generate(body, rid)
         if body.stream:
-            return await self._stream_response(request, self._chat_events(body, rid, created))
+            return await self._stream_response(request, self._chat_events(body, rid, created), log)
         out = await self.generate(request)
+        log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
         return ChatCompletion(
             id=rid, created=created, model=self.model_name,
@@ -170,10 +175,12 @@ class OpenAIIngress:
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, response: Response):
         rid, created = new_id("cmpl"), int(time.time())
+        log = request_log.begin(rid, bool(body.stream))
         request = await self._to_generate(body, rid)
         if body.stream:
-            return await self._stream_response(request, self._completion_events(body, rid, created))
+            return await self._stream_response(request, self._completion_events(body, rid, created), log)
         out = await self.generate(request)
+        log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
         return Completion(
             id=rid, created=created, model=self.model_name,
@@ -196,7 +203,8 @@ class OpenAIIngress:
             raise engine_error(e) from None
         return prepare(self.tokenizer, request, limits)
 
-    async def _stream_response(self, request: GenerateRequest, events) -> StreamingResponse:
+    async def _stream_response(self, request: GenerateRequest, events,
+                               log: request_log.RequestRecord) -> StreamingResponse:
         """Waits for the first chunk before answering, so errors keep their status code."""
         gen = self.llm_stream.stream.remote(request)
         try:
@@ -206,27 +214,34 @@ class OpenAIIngress:
             raise
         except Exception as e:
             raise self._api_error(e) from None
-        return StreamingResponse(self._relay(request, gen, first, events), media_type="text/event-stream",
+        log.first_token()
+        return StreamingResponse(self._relay(request, gen, first, events, log), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", REPLICA_HEADER: first.replica_id})
 
-    async def _relay(self, request: GenerateRequest, gen, first: GenerateChunk, events) -> AsyncIterator[str]:
+    async def _relay(self, request: GenerateRequest, gen, first: GenerateChunk, events,
+                     log: request_log.RequestRecord) -> AsyncIterator[str]:
         """Chunks -> SSE text. A client disconnect cancels this generator, which cancels `gen`
         (the replica then aborts the request and frees its KV blocks)."""
-        finished, output = False, list(first.token_ids)
+        finished, output, last = False, list(first.token_ids), first
         try:
             yield events(first, True)
             async for chunk in gen:
                 output += chunk.token_ids
+                last = chunk
                 yield events(chunk, False)
             finished = True
             feedback.record_answer(request.request_id, request.prompt_token_ids, output)
+            log.write(200, last)
             yield "data: [DONE]\n\n"
         except Exception as e:  # mid-stream failure: the status is already sent; report in-band
             err = self._api_error(e)
+            metrics.count_error(err.status_code, err.type)
+            log.write(err.status_code, last, error_type=err.type)
             yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n"
         finally:
             if not finished:
                 _cancel(gen)
+                log.write(200, last, finish_reason="abort")  # the client went away
 
     def _chat_events(self, body: ChatCompletionRequest, rid: str, created: int):
         def events(chunk: GenerateChunk, is_first: bool) -> str:

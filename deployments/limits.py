@@ -14,6 +14,7 @@ from typing import Awaitable, Callable, Optional
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deployments import metrics
 from deployments.config import LimitsConfig
 from deployments.errors import APIError
 from deployments.protocol import GenerateRequest
@@ -177,6 +178,7 @@ def _too_large(size: int, limit: int, partial: bool = False) -> APIError:
 
 
 async def _refuse(e: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    metrics.count_error(e.status_code, e.type)
     # Connection: close, so the proxy drops the rest of an unread body instead of draining it.
     await JSONResponse(e.body(), e.status_code, {**e.headers(), "Connection": "close"})(scope, receive, send)
 

@@ -5,6 +5,7 @@ fails its health check when the engine loop is dead or stuck, so Serve replaces 
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -13,7 +14,8 @@ from typing import AsyncIterator, Dict, List, Optional, Union
 import pydantic
 from ray import serve
 
-from batcher.outputs import merge_deltas
+from batcher.outputs import completion_from_deltas, merge_deltas
+from deployments import metrics
 from deployments.coalesce import coalesce
 from deployments.config import StreamConfig
 from deployments.errors import engine_error
@@ -43,6 +45,9 @@ class LLMServer:
         # The longest prompt + max_tokens the engine admits (context window or KV capacity).
         self.max_request_tokens = self.engine.max_request_tokens
         self._token_text: Dict[int, str] = {}
+        self.metrics = metrics.ReplicaMetrics(metrics.replica_tags())
+        # Serve builds the replica inside its event loop: the refresh runs there until the replica stops.
+        self._metrics_task = asyncio.get_running_loop().create_task(self.metrics.refresh_forever(self.engine.stats))
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -50,23 +55,38 @@ class LLMServer:
         """Use with `handle.options(stream=True).stream.remote(request)`. Errors come before the
         first chunk; cancelling the call aborts the request and frees its KV blocks."""
         request, prompt, params = self._prepare(request)
+        timer, reason, generated = metrics.RequestTimer(), "abort", 0  # "abort": the caller went away
         deltas = self.engine.stream(prompt, params, request_id=request.request_id)
         self.open_streams += 1
         try:
             async for batch in coalesce(deltas, self._chunk_interval, is_last=lambda d: d.finish_reason is not None):
-                yield self._chunk(batch)
+                chunk = self._chunk(batch)
+                timer.saw(len(chunk.token_ids))
+                reason, generated = chunk.finish_reason or reason, chunk.completion_tokens
+                yield chunk
         except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
+            reason = None  # an error, counted where it is answered (the ingress)
             raise engine_error(e, self._param(request)) from None
         finally:
             self.open_streams -= 1
+            if reason is not None:
+                self.metrics.finish(timer, reason, generated)
 
     async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
         """The whole answer at once. Cancelling the call aborts the request."""
         request, prompt, params = self._prepare(request)
+        timer, deltas = metrics.RequestTimer(), []
         try:
-            out = await self.engine.generate(prompt, params, request_id=request.request_id)
+            async for d in self.engine.stream(prompt, params, request_id=request.request_id):
+                timer.saw(len(d.token_ids))  # the deltas, unlike engine.generate, time the first token
+                deltas.append(d)
         except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
             raise engine_error(e, self._param(request)) from None
+        except asyncio.CancelledError:  # the caller went away: the engine request is aborted
+            self.metrics.finish(timer, "abort", sum(len(d.token_ids) for d in deltas))
+            raise
+        out = completion_from_deltas(prompt, deltas)
+        self.metrics.finish(timer, out.finish_reason, len(out.token_ids))
         return GenerateResponse(
             request_id=out.request_id, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
             logprobs=self._logprobs(out.logprobs) if out.logprobs is not None else None,

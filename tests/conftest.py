@@ -26,10 +26,12 @@ def _free_port() -> int:
 
 
 class ServeCluster:
-    """A running Ray cluster with Serve's HTTP proxy on `port`; deploys test apps on demand."""
+    """A running Ray cluster with Serve's HTTP proxy on `port` and the node's Prometheus metrics on
+    `metrics_port`; deploys test apps on demand."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, metrics_port: int):
         self.port = port
+        self.metrics_port = metrics_port
         self._apps: dict = {}
 
     def url(self, app: str) -> str:
@@ -59,11 +61,14 @@ def serve_cluster():
     import ray
     from ray import serve
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a user's cluster
+    # The metrics agent runs without the dashboard too; a known port lets tests scrape it.
+    metrics_port = _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # never a user's cluster
+             _metrics_export_port=metrics_port)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        yield ServeCluster(port)
+        yield ServeCluster(port, metrics_port)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -1,0 +1,68 @@
+"""One structured log line per HTTP completion request, written by the ingress when it ends.
+
+The line is a JSON object on the "ray.serve" logger, so it lands in the ingress replica's Serve log
+(`<ray logs>/serve/replica_<app>_OpenAIIngress_<id>.log`): request id, stream or not, HTTP status,
+error type, finish reason, token counts, TTFT and end-to-end seconds, the LLM replica that served it.
+Never prompt or output text, never headers (API keys).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Optional
+
+from deployments.protocol import GenerateChunk, GenerateResponse
+
+EVENT = "iterserve_request"
+logger = logging.getLogger("ray.serve")
+_current: ContextVar[Optional["RequestRecord"]] = ContextVar("iterserve_request_record", default=None)
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    stream: bool
+    start: float = field(default_factory=time.perf_counter)
+    ttft_s: Optional[float] = None  # streams only: until the first chunk left the ingress
+    written: bool = False
+
+    def first_token(self) -> None:
+        self.ttft_s = time.perf_counter() - self.start
+
+    def write(self, status_code: int, out: "GenerateChunk | GenerateResponse | None" = None,
+              error_type: Optional[str] = None, finish_reason: Optional[str] = None) -> None:
+        """Logs the line once (later calls do nothing). `out`: the final or last seen output."""
+        if self.written:
+            return
+        self.written = True
+        line = {
+            "event": EVENT, "request_id": self.request_id, "stream": self.stream, "status_code": status_code,
+            "error_type": error_type, "finish_reason": finish_reason or (out.finish_reason if out else None),
+            "prompt_tokens": out.prompt_tokens if out else None,
+            "output_tokens": out.completion_tokens if out else None,
+            "cached_tokens": out.cached_tokens if out else None,
+            "ttft_s": _round(self.ttft_s), "e2e_s": _round(time.perf_counter() - self.start),
+            "replica_id": out.replica_id if out else None,
+        }
+        logger.info(json.dumps(line, separators=(",", ":")))
+
+
+def begin(request_id: str, stream: bool) -> RequestRecord:
+    """Starts the record of the current HTTP request (error handlers find it through a context var)."""
+    record = RequestRecord(request_id, stream)
+    _current.set(record)
+    return record
+
+
+def failed(status_code: int, error_type: str) -> None:
+    """Logs the current request as failed, if one was begun and not logged yet."""
+    record = _current.get()
+    if record is not None:
+        record.write(status_code, error_type=error_type)
+
+
+def _round(seconds: Optional[float]) -> Optional[float]:
+    return round(seconds, 4) if seconds is not None else None

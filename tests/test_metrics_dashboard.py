@@ -1,0 +1,95 @@
+"""The metric definitions, the Grafana dashboard built on them and the request log line (no Ray)."""
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import re
+from pathlib import Path
+
+from deployments import metrics, request_log
+from deployments.protocol import GenerateResponse
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "cluster" / "grafana_iterserve.json"
+
+
+def _exprs(dashboard: dict) -> list:
+    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def test_specs_are_prometheus_shaped():
+    for spec in metrics.SPECS:
+        assert re.fullmatch(r"iterserve_[a-z0-9_]+", spec.name)
+        assert spec.kind in ("counter", "gauge", "histogram")
+        assert not spec.name.endswith("_total")  # Ray appends it to counters
+        if spec.kind == "histogram":
+            assert spec.name.endswith("_seconds") and list(spec.buckets) == sorted(set(spec.buckets))
+            assert spec.buckets[0] <= 0.025 and spec.buckets[-1] >= 2.5  # GPU-fast and CPU-slow alike
+        else:
+            assert not spec.buckets
+    counters = {s.name for s in metrics.SPECS if s.kind == "counter"}
+    assert {"ray_" + n + "_total" for n in counters} <= metrics.exported_names()
+
+
+def test_dashboard_uses_only_defined_metrics_and_all_of_them():
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = _exprs(dashboard)
+    used = {name for e in exprs for name in re.findall(r"\b(ray_iterserve_[a-z0-9_]+)", e)}
+    assert used and used <= metrics.exported_names(), used - metrics.exported_names()
+    for spec in metrics.SPECS:  # every metric is on some panel
+        assert set(spec.exported()) & used, spec.name
+    known_labels = set(metrics.LABELS) | {lab for s in metrics.SPECS for lab in s.labels} | {"le"}
+    for e in exprs:
+        grouped = {lab.strip() for g in re.findall(r"by \(([^)]*)\)", e) for lab in g.split(",")}
+        matched = set(re.findall(r"([a-z_]+)=~?\"", e))
+        assert grouped | matched <= known_labels, e
+
+
+def test_dashboard_panels_and_datasource_variable():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
+    titles = " | ".join(p["title"] for p in dashboard["panels"]).lower()
+    for needed in ("finish reason", "error", "first token", "per output token", "end-to-end", "waiting",
+                   "kv cache usage", "prefix-cache", "preemptions", "token throughput"):
+        assert needed in titles, needed
+    quantiles = [e for e in _exprs(dashboard) if e.startswith("histogram_quantile(")]
+    assert {re.match(r"histogram_quantile\(([0-9.]+)", e).group(1) for e in quantiles} == {"0.5", "0.99"}
+    assert len(quantiles) == 6  # p50 and p99 of TTFT, TPOT and e2e
+
+
+def _capture():
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    return records, handler
+
+
+def test_request_log_line_is_json_once_without_text():
+    records, handler = _capture()
+    logger = logging.getLogger("ray.serve")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        def run():
+            request_log.failed(500, "internal_error")  # nothing begun in this context: no line
+            record = request_log.begin("cmpl-1", stream=True)
+            record.first_token()
+            out = GenerateResponse(request_id="cmpl-1", text="SECRET OUTPUT", token_ids=[5, 6], finish_reason="stop",
+                                   prompt_tokens=7, completion_tokens=2, cached_tokens=4, replica_id="r1")
+            record.write(200, out)
+            request_log.failed(503, "service_unavailable_error")  # already written: ignored
+        contextvars.copy_context().run(run)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert len(records) == 1
+    message = records[0].getMessage()
+    line = json.loads(message)
+    assert line == {**line, "event": "iterserve_request", "request_id": "cmpl-1", "stream": True, "status_code": 200,
+                    "error_type": None, "finish_reason": "stop", "prompt_tokens": 7, "output_tokens": 2,
+                    "cached_tokens": 4, "replica_id": "r1"}
+    assert 0 <= line["ttft_s"] <= line["e2e_s"]
+    assert "SECRET" not in message
