@@ -101,6 +101,7 @@ def replica_actor(app: str, replica_id: str):
     return ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{replica_id}", namespace="serve")
 
 
+@pytest.mark.slow
 def test_replica_killed_mid_stream_ends_every_stream_and_recovers(fault_app):
     url = fault_app("fault-kill", sim_config())
     body = {"prompt": "a long story", "max_tokens": 1000, "ignore_eos": True}
@@ -177,6 +178,7 @@ def test_redeploy_with_open_streams_completes_every_accepted_request(fault_app):
     print(f"redeploy: {len(answers)} requests sent during {took:.1f} s, all answered; replicas {sorted(new)}")
 
 
+@pytest.mark.slow
 def test_stuck_engine_loop_fails_health_and_is_replaced(fault_app):
     url = fault_app("fault-stall", {
         **sim_config(health_check_period_s=1, health_check_timeout_s=5, graceful_shutdown_timeout_s=3,

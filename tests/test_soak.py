@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import tiny_config
 from load_tests import soak
 from load_tests.soak_traffic import SoakRecord
 
 
+@pytest.mark.slow
 def test_bounded_soak_on_tiny_llama(serve_cluster, tmp_path):
     """~25 s of mixed traffic at 4 req/s: no unexpected error, nothing lost, every kind answered as it
     should be, every KV block free once the traffic drained, RSS read from the replica."""
