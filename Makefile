@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing clean
+.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,10 @@ install: $(STAMP)
 model: install
 	$(BIN)/python -m batcher.model_loader
 
+# Ctrl-C stops the app and the local Ray cluster `serve run` started (tests/test_make_serve.py).
+SERVE_CONFIG ?= serve_config.yaml
 serve: model
-	$(BIN)/serve run serve_config.yaml
+	$(BIN)/serve run $(SERVE_CONFIG)
 
 test: model
 	$(BIN)/python -m pytest -q tests
@@ -46,6 +48,11 @@ bench-routing: model
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m load_tests.router_micro
 	$(BIN)/python -m load_tests.routing
+
+# Mixed traffic against its own local app: make soak SOAK_ARGS="--minutes 10 --rate 2" (--help for the rest)
+SOAK_ARGS ?= --minutes 10 --rate 2
+soak: model
+	$(BIN)/python -m load_tests.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -19,19 +19,23 @@ from batcher.outputs import Completion, EngineStats, StreamDelta, completion_fro
 from batcher.sampling_params import SamplingParams
 
 _IDLE_WAIT_S = 0.5
+# Default stall bound (EngineConfig.stall_timeout_s unset): generous against the slowest step seen,
+# with a floor for the first steps (model warm-up, a long prefill on a loaded CPU).
+STALL_FLOOR_S = 60.0
+STALL_STEP_FACTOR = 20.0
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, stall_timeout_s: float = 120.0):
+    def __init__(self, config: EngineConfig):
         self.config = config
         self.model_name = config.model
-        self.stall_timeout_s = stall_timeout_s
         self._inbox: "queue.SimpleQueue[Tuple[str, object]]" = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._error: Optional[BaseException] = None
         self._stopped = False
         self._heartbeat = time.monotonic()  # last time the loop went round
+        self._slowest_step_s = 0.0
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="iterserve-engine", daemon=True)
         self._thread.start()
@@ -58,7 +62,9 @@ class AsyncLLMEngine:
             while not self._stopped:
                 deltas = self._drain_inbox()
                 if self.engine.has_unfinished():
+                    t0 = time.monotonic()
                     deltas += self.engine.step()
+                    self._slowest_step_s = max(self._slowest_step_s, time.monotonic() - t0)
                 elif not deltas:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
@@ -76,7 +82,9 @@ class AsyncLLMEngine:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return deltas
-            if kind == "add":
+            if kind == "stall":  # stall_for_tests: the loop thread blocks as a hung forward would
+                time.sleep(item)
+            elif kind == "add":
                 try:
                     self.engine.add(item)
                 except EngineError as e:  # e.g. a duplicate id: that caller's error, not the loop's
@@ -142,6 +150,11 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
+    def stall_for_tests(self, seconds: float) -> None:
+        """Fault injection for tests only: the loop thread sleeps `seconds` before its next step,
+        holding whatever work it has, exactly as a hung forward would."""
+        self._send("stall", float(seconds))
+
     def _send(self, kind: str, item: object) -> None:
         self._inbox.put((kind, item))
         self._wake.set()
@@ -151,13 +164,21 @@ class AsyncLLMEngine:
         s.loop_alive = self._thread.is_alive() and self._error is None
         return s
 
+    @property
+    def stall_timeout_s(self) -> float:
+        """How long the loop may go without a round while it has work (see EngineConfig)."""
+        if self.config.stall_timeout_s is not None:
+            return self.config.stall_timeout_s
+        return max(STALL_FLOOR_S, STALL_STEP_FACTOR * self._slowest_step_s)
+
     def check_health(self) -> None:
         """Raises EngineDeadError when the loop died, or stopped stepping with work pending."""
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"engine loop is not running: {self._error!r}")
         idle = time.monotonic() - self._heartbeat
         if idle > self.stall_timeout_s and self.engine.has_unfinished():
-            raise EngineDeadError(f"engine loop made no step for {idle:.0f}s with requests pending")
+            raise EngineDeadError(f"engine loop made no step for {idle:.1f}s with requests pending "
+                                  f"(stall bound {self.stall_timeout_s:.1f}s)")
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -34,6 +34,9 @@ class EngineConfig(BaseModel):
     num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default: all cores.")
     seed: int = 0
     trace_steps: int = Field(0, ge=0, description="Record batch occupancy for this many steps (0: off).")
+    stall_timeout_s: Optional[float] = Field(
+        None, gt=0, description="check_health fails when the loop has had work but completed no step for "
+        "this long; None: max(60 s, 20 x the slowest step so far), so a slow CPU step never trips it.")
 
     @field_validator("model")
     @classmethod

@@ -114,12 +114,15 @@ def metric_push_env(cfg: AppConfig) -> dict:
 def build_app(args: dict) -> Application:
     """Serve application builder. `args` is AppConfig as a dict (or an AppConfig)."""
     cfg = load_config(args)
-    llm = LLMServer.options(**llm_deployment_options(cfg)).bind(
-        cfg.engine.model_dump(), cfg.model_name, cfg.stream.model_dump()
-    )
+    llm_options = llm_deployment_options(cfg)
+    llm = LLMServer.options(**llm_options).bind(cfg.engine.model_dump(), cfg.model_name, cfg.stream.model_dump())
+    # The ingress relays every stream, so a leaving ingress replica (a redeploy replaces it too) waits
+    # as long as the LLM replicas do: Serve's 20 s default would cut longer streams.
+    shutdown = {k: llm_options[k] for k in ("graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s")}
     ing = cfg.ingress
     ingress = OpenAIIngress.options(
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
         ray_actor_options={"num_cpus": ing.num_cpus, **_runtime_env(metric_push_env(cfg))},
+        **shutdown,
     )
     return ingress.bind(llm, cfg.model_name, cfg.engine.model, ing.model_dump())

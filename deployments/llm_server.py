@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from typing import AsyncIterator, Dict, List, Optional, Union
 
@@ -22,6 +23,9 @@ from deployments.errors import engine_error
 from deployments.prompts import prepare
 from deployments.protocol import (GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, TokenLogprob,
                                   TopLogprob)
+
+# Fault injection (stall_engine_for_tests) works only in replicas started with this set to "1".
+TEST_HOOKS_ENV = "ITERSERVE_ENABLE_TEST_HOOKS"
 
 
 @serve.deployment(name="LLMServer")
@@ -98,8 +102,16 @@ class LLMServer:
         return ModelInfo(model_name=self.model_name, max_model_len=self.max_request_tokens, simulation=self.simulation)
 
     def stats(self) -> dict:
-        """Engine counters of this replica (tests and operators: KV blocks, aborts, ...)."""
-        return {"replica_id": self.replica_id, **self.engine.stats().as_dict()}
+        """Engine counters of this replica (tests and operators: KV blocks, aborts, ...) and the
+        replica process's resident memory (the soak's leak check)."""
+        return {"replica_id": self.replica_id, "rss_bytes": _rss_bytes(), **self.engine.stats().as_dict()}
+
+    def stall_engine_for_tests(self, seconds: float) -> None:
+        """Blocks the engine loop for `seconds`, as a hung forward would (the health check must then
+        fail and Serve replace the replica). Refused unless the replica runs with TEST_HOOKS_ENV=1."""
+        if os.environ.get(TEST_HOOKS_ENV) != "1":
+            raise PermissionError(f"test hooks are off in this replica (set {TEST_HOOKS_ENV}=1 to enable)")
+        self.engine.stall_for_tests(seconds)
 
     # ---- Serve hooks ---------------------------------------------------------------------------
 
@@ -176,3 +188,15 @@ class LLMServer:
                                        for t, v in lp.top_logprobs.items()])
             for lp in lps
         ]
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process, from /proc (Linux); 0 where unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -124,6 +124,39 @@ def test_check_health_fails_when_the_loop_is_gone():
         e.check_health()
 
 
+def test_check_health_fails_while_the_loop_is_stuck_with_work():
+    """A loop blocked with a request in flight (a hung forward) fails the health check after the
+    stall bound; an idle loop, or one that steps again, passes."""
+    e = AsyncLLMEngine(CONFIG.model_copy(update={"stall_timeout_s": 0.5}))
+    try:
+        e.stall_for_tests(1.0)  # idle: no work pending, nothing is stuck
+        time.sleep(1.2)
+        e.check_health()
+
+        async def stalled_stream():
+            stream = e.stream([5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+            await stream.__anext__()  # the request is running in the engine
+            e.stall_for_tests(2.0)
+            await asyncio.sleep(0.2)
+            e.check_health()  # within the bound
+            await asyncio.sleep(0.8)
+            with pytest.raises(EngineDeadError, match="no step for .* with requests pending"):
+                e.check_health()
+            await asyncio.sleep(1.5)  # the stall is over: the loop steps again
+            e.check_health()
+            got = [d async for d in stream]
+            assert got[-1].finish_reason == "length"
+
+        run(stalled_stream())
+    finally:
+        e.shutdown()
+
+
+def test_default_stall_bound_is_generous_against_step_time(engine):
+    assert engine.config.stall_timeout_s is None
+    assert engine.stall_timeout_s >= 60.0  # tiny-llama's millisecond steps: the floor
+
+
 def test_a_model_that_fails_to_load_fails_the_constructor(tmp_path):
     """The model loads in the loop thread; its error still reaches the caller."""
     missing = EngineConfig(model=str(tmp_path / "no-such-model"))
