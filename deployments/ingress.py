@@ -10,20 +10,19 @@ import json
 import time
 from typing import AsyncIterator, Optional, Union
 
-from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Response
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from deployments import metrics, request_log
 from deployments.auth import APIKeyAuth, load_api_keys
 from deployments.config import IngressConfig
-from deployments.errors import APIError, clip, engine_error, model_not_found, overload_error, validation_error
+from deployments.errors import APIError, engine_error, model_not_found, overload_error, validation_error
+from deployments.http_errors import install_error_handlers
 from deployments.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                          ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatMessageOut,
                                          Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -35,34 +34,7 @@ from router import feedback
 
 REPLICA_HEADER = "X-Iterserve-Replica"  # which LLM replica served the request (routing is observable)
 api = FastAPI(title="iterserve", description="OpenAI-compatible LLM serving on Ray Serve")
-
-
-def _error_response(e: APIError) -> JSONResponse:
-    metrics.count_error(e.status_code, e.type)
-    request_log.failed(e.status_code, e.type)
-    return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers())
-
-
-@api.exception_handler(APIError)
-async def _api_error(_: Request, e: APIError):
-    return _error_response(e)
-
-
-@api.exception_handler(RequestValidationError)
-async def _invalid_body(request: Request, e: RequestValidationError):
-    content_type = request.headers.get("content-type", "")
-    if request.method == "POST" and "json" not in content_type:  # FastAPI then parses no body at all
-        return _error_response(APIError(400, "request body must be JSON sent with Content-Type: application/json"
-                                         f" (got {clip(content_type) or 'none'!r})"))
-    return _error_response(validation_error(e.errors()))
-
-
-@api.exception_handler(HTTPException)
-async def _http_error(_: Request, e: HTTPException):
-    message = str(e.detail)
-    if e.__cause__ is not None:  # e.g. a body that is not UTF-8: say what FastAPI could not parse
-        message += f": {type(e.__cause__).__name__}: {e.__cause__}"
-    return _error_response(APIError(e.status_code, message, code=str(e.status_code)))
+install_error_handlers(api)
 
 
 def _cancel(response) -> None:
