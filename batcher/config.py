@@ -32,6 +32,11 @@ class EngineConfig(BaseModel):
     static_batch_size: int = Field(16, ge=1, description="Batch size when scheduling is 'static'.")
     max_model_len: Optional[int] = Field(None, ge=1, description="Default: the model's context length.")
     num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default: all cores.")
+    small_step_threads: Optional[int] = Field(
+        None, ge=1, description="torch CPU threads for steps of at most small_step_tokens tokens. Small "
+        "decode batches are memory-bound: one thread is about as fast as two, and the other core is then "
+        "free for the serving processes (HTTP, Serve's messages). None: num_threads for every step.")
+    small_step_tokens: int = Field(8, ge=1, description="Largest step (in tokens) run on small_step_threads.")
     seed: int = 0
     trace_steps: int = Field(0, ge=0, description="Record batch occupancy for this many steps (0: off).")
     stall_timeout_s: Optional[float] = Field(

@@ -44,6 +44,8 @@ class LLMEngine:
         self.model_name = config.model
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self._threads = torch.get_num_threads()  # per step: this, or small_step_threads for small steps
+        self._step_threads = self._threads
         # "sim:<preset>": the same engine with a step-time model in place of the forward.
         self.simulation = simulated.preset_for(config.model) if simulated.is_simulated(config.model) else None
         self.device = resolve_device("cpu" if self.simulation else config.device)
@@ -160,6 +162,7 @@ class LLMEngine:
                 return []
             # Admission checks make this unreachable; if it ever happens, fail loudly, don't spin.
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
+        self._set_threads(out.num_tokens)
         t1 = time.perf_counter()
         logits = self.runner.execute(out.scheduled)
         t2 = time.perf_counter()
@@ -188,6 +191,13 @@ class LLMEngine:
         c.step_seconds += time.perf_counter() - t0
         self.last_step_time = time.monotonic()
         return deltas
+
+    def _set_threads(self, num_tokens: int) -> None:
+        small = self.config.small_step_threads
+        want = small if small and num_tokens <= self.config.small_step_tokens else self._threads
+        if want != self._step_threads:
+            torch.set_num_threads(want)
+            self._step_threads = want
 
     def _stop_reason(self, request: Request, token: int) -> Optional[str]:
         seq, p = request.seq, request.seq.params

@@ -1,5 +1,6 @@
 """Greedy engine output equals HF generate token for token, whatever the scheduling pressure."""
 import pytest
+import torch
 
 from batcher import EngineConfig, LLMEngine, SamplingParams
 from tests.reference import hf_greedy, mixed_prompts
@@ -49,6 +50,18 @@ def test_tiny_token_budget_chunks_prefill(case):
     engine, outs = run(name, prompts, max_num_batched_tokens=8)
     check(outs, expected, engine)
     assert max(len(p) for p in prompts) > 8  # so prompts really were split
+
+
+def test_small_steps_on_fewer_threads(case):
+    """serve_config.yaml runs small decode steps on 1 thread and the rest on 2: same tokens."""
+    name, prompts, expected = case
+    before = torch.get_num_threads()
+    try:
+        engine, outs = run(name, prompts, num_threads=2, small_step_threads=1, small_step_tokens=4)
+        check(outs, expected, engine)
+        assert torch.get_num_threads() == 1  # the last steps (fewer than 4 sequences left) ran on one
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_static_batches(case):
