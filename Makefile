@@ -42,6 +42,7 @@ bench-offline: model
 	$(BIN)/python -m load_tests.offline
 
 bench-serving: model
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m load_tests.serving
 
 bench-routing: model
