@@ -50,8 +50,8 @@ bench-routing: model
 	$(BIN)/python -m load_tests.router_micro
 	$(BIN)/python -m load_tests.routing
 
-# Mixed traffic against its own local app: make soak SOAK_ARGS="--minutes 10 --rate 2" (--help for the rest)
-SOAK_ARGS ?= --minutes 10 --rate 2
+# Mixed traffic against its own local app: make soak SOAK_ARGS="--minutes 10 --rate 1" (--help for the rest)
+SOAK_ARGS ?= --minutes 10 --rate 1
 soak: model
 	$(BIN)/python -m load_tests.soak $(SOAK_ARGS)
 
