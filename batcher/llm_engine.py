@@ -45,7 +45,6 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self._threads = torch.get_num_threads()  # per step: this, or small_step_threads for small steps
-        self._step_threads = self._threads
         # "sim:<preset>": the same engine with a step-time model in place of the forward.
         self.simulation = simulated.preset_for(config.model) if simulated.is_simulated(config.model) else None
         self.device = resolve_device("cpu" if self.simulation else config.device)
@@ -195,9 +194,8 @@ class LLMEngine:
     def _set_threads(self, num_tokens: int) -> None:
         small = self.config.small_step_threads
         want = small if small and num_tokens <= self.config.small_step_tokens else self._threads
-        if want != self._step_threads:
+        if want != torch.get_num_threads():
             torch.set_num_threads(want)
-            self._step_threads = want
 
     def _stop_reason(self, request: Request, token: int) -> Optional[str]:
         seq, p = request.seq, request.seq.params
