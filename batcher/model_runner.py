@@ -6,6 +6,7 @@ from typing import List
 
 import torch
 
+from batcher.cpu_linear import use_weight_major_linears
 from batcher.paged_attention import ATTENTION_NAME, KVCache, PagedMetadata, build_group
 from batcher.scheduler import ScheduledSeq
 
@@ -14,6 +15,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):
         model.set_attn_implementation(ATTENTION_NAME)
+        if device.type == "cpu":
+            use_weight_major_linears(model)  # MKL's x @ W^T is slow at decode-sized batches
         self.model = model
         self.device = device
         self.block_size = block_size

@@ -108,8 +108,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         B, Q = g.q_index.shape
         # Query heads sharing a KV head go side by side, so K/V never need repeating (GQA).
         q = q_packed[g.q_index].view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
-        k = k_cache.view(-1, bs, Hkv, D)[g.block_table].view(B, -1, Hkv, D).transpose(1, 2)
-        v = v_cache.view(-1, bs, Hkv, D)[g.block_table].view(B, -1, Hkv, D).transpose(1, 2)
+        # index_select copies whole blocks; advanced indexing (cache[table]) is 2-3x slower on CPU.
+        blocks = g.block_table.reshape(-1)
+        k = k_cache.view(-1, bs, Hkv, D).index_select(0, blocks).view(B, -1, Hkv, D).transpose(1, 2)
+        v = v_cache.view(-1, bs, Hkv, D).index_select(0, blocks).view(B, -1, Hkv, D).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling)
         o = o.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H, D)
         out[g.q_index.reshape(-1)[g.valid]] = o[g.valid]
