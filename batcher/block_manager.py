@@ -28,20 +28,25 @@ def chain_hash(parent_hash: int, token_ids: Tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
-def iter_block_hashes(token_ids: Sequence_[int], block_size: int, num_blocks: int) -> Iterator[Tuple[int, Tuple[int, ...]]]:
-    """(hash, token ids) of the first `num_blocks` full blocks of `token_ids`."""
-    parent = _NO_HASH
-    for i in range(num_blocks):
+def iter_block_hashes(token_ids: Sequence_[int], block_size: int, num_blocks: int,
+                      known: Sequence_[int] = ()) -> Iterator[Tuple[int, Tuple[int, ...]]]:
+    """(hash, token ids) of full blocks len(known)..num_blocks-1 of `token_ids`, chained on from
+    `known`, the hashes of its first blocks (already computed: a sequence's, a prompt's)."""
+    parent = known[-1] if known else _NO_HASH
+    for i in range(len(known), num_blocks):
         chunk = tuple(token_ids[i * block_size:(i + 1) * block_size])
         parent = chain_hash(parent, chunk)
         yield parent, chunk
 
 
-def cacheable_block_hashes(token_ids: Sequence_[int], block_size: int) -> List[int]:
+def cacheable_block_hashes(token_ids: Sequence_[int], block_size: int, known: Sequence_[int] = ()) -> List[int]:
     """Hashes of the blocks of `token_ids` a prefix-cache lookup can hit: the full blocks before the
     last token (whose logits must be computed). Also what a finished sequence leaves cached: every
-    token but the last sampled one was computed."""
-    return [h for h, _ in iter_block_hashes(token_ids, block_size, (len(token_ids) - 1) // block_size)]
+    token but the last sampled one was computed. `known`: hashes of its first blocks, not recomputed
+    (a prompt's, when hashing prompt + answer)."""
+    num_blocks = (len(token_ids) - 1) // block_size
+    head = list(known[:num_blocks])
+    return head + [h for h, _ in iter_block_hashes(token_ids, block_size, num_blocks, head)]
 
 
 class BlockManager:
@@ -86,10 +91,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        for i in range(len(seq.block_hashes), num_full):
-            chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = seq.block_hashes[-1] if seq.block_hashes else _NO_HASH
-            h = chain_hash(parent, chunk)
+        start = len(seq.block_hashes)
+        for i, (h, chunk) in enumerate(iter_block_hashes(seq.token_ids, self.block_size, num_full,
+                                                         seq.block_hashes), start):
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash == _NO_HASH and h not in self.hash_to_block:

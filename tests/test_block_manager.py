@@ -98,3 +98,27 @@ def test_prefix_caching_off_shares_nothing():
     bm.admit(a, [])
     compute(bm, a, 12)
     assert bm.match_prefix(seq(range(12), "b")) == []
+
+
+def test_prompt_and_answer_hashes_continue_the_prompt_chain_as_the_engine_does():
+    """What a router counts as cached after an answer: the prompt's hashes, continued over the
+    answer with the same function, equal the blocks the engine registered for prompt + answer."""
+    from batcher.block_manager import cacheable_block_hashes
+
+    bs, prompt, answer = 4, list(range(100, 118)), list(range(500, 511))
+    bm = BlockManager(num_blocks=20, block_size=bs)
+    s = seq(prompt)
+    bm.admit(s, bm.match_prefix(s))
+    compute(bm, s, len(prompt))
+    for t in answer:  # decode: each sampled token is computed at the next step, the last one never
+        s.append_token(t)
+        if t != answer[-1]:
+            compute(bm, s, 1)
+    known = cacheable_block_hashes(prompt, bs)
+    chained = cacheable_block_hashes(prompt + answer, bs, known=known)
+    assert chained[:len(known)] == known
+    assert chained == cacheable_block_hashes(prompt + answer, bs) == s.block_hashes
+    # Turn two (prompt + answer + new turn) matches every one of those blocks in the engine's cache.
+    bm.free(s)
+    turn2 = seq(prompt + answer + [7, 8, 9], "t2")
+    assert len(bm.match_prefix(turn2)) == len(chained)
