@@ -164,6 +164,9 @@ class AsyncLLMEngine:
         s.loop_alive = self._thread.is_alive() and self._error is None
         return s
 
+    def held_request_ids(self) -> List[str]:
+        return self.engine.held_request_ids()  # copies of the queues: safe beside the loop's thread
+
     @property
     def stall_timeout_s(self) -> float:
         """How long the loop may go without a round while it has work (see EngineConfig)."""

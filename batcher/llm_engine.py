@@ -244,6 +244,10 @@ class LLMEngine:
                 deltas[d.request_id].append(d)
         return [completion_from_deltas(r.seq.prompt_token_ids, deltas[r.seq.request_id]) for r in requests]
 
+    def held_request_ids(self) -> List[str]:
+        """Ids of the requests waiting or running (request routers match them against their own)."""
+        return [q.request_id for queue in (list(self.scheduler.waiting), list(self.scheduler.running)) for q in queue]
+
     def stats(self) -> EngineStats:
         s = copy.copy(self.counters)
         s.waiting, s.running = len(self.scheduler.waiting), len(self.scheduler.running)

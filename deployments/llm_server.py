@@ -115,14 +115,15 @@ class LLMServer:
 
     # ---- Serve hooks ---------------------------------------------------------------------------
 
-    def record_routing_stats(self) -> Dict[str, float]:
+    def record_routing_stats(self) -> dict:
         """Polled by the controller; request routers read it as RunningReplica.routing_stats.
-        `time_s` stamps it, so a router can tell a stale report from an idle replica."""
-        s = self.engine.stats()
+        `time_s` stamps it, so a router can tell a stale report from an idle replica; `request_ids`
+        lets it tell which of its requests the report counts (router.scoring.counted_in)."""
+        s, held = self.engine.stats(), self.engine.held_request_ids()
         return {"time_s": time.time(), "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
                 "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
                 "queued_prefill_tokens": s.queued_prefill_tokens, "context_tokens": s.context_tokens,
-                "prefix_cache_hit_rate": s.prefix_cache_hit_rate}
+                "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "request_ids": held}
 
     def record_autoscaling_stats(self) -> Dict[str, float]:
         """Custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id] in a policy)."""

@@ -22,6 +22,10 @@ class LLMRouterConfig(BaseModel):
     load_bound: float = Field(
         1.25, ge=1.0, description="No replica takes a request that would put it above this times the "
         "fleet's mean sequences per replica (bounded-load affinity), unless every replica is above it.")
+    affinity_margin: float = Field(
+        1.0, ge=1.0, description="How much more expected wait than the best replica a replica holding the "
+        "request's longest cached prefix may have and still win, as a factor (1.0: the expected wait alone "
+        "decides; 1.5: the holder wins up to 1.5x the best replica's wait, keeping conversations together).")
     default_output_tokens: int = Field(
         128, ge=1, description="Expected answer length until answers have been seen (capped by max_tokens).")
     max_tracked_requests: int = Field(

@@ -5,7 +5,7 @@ so a match here is a match in the replica's prefix cache, as far as the router c
 hash chains its whole prefix, so a replica holding block i held blocks 0..i-1 when they were
 inserted; inserting deepest-first keeps the root most recent, so LRU eviction trims chains from the
 tail and the prefix property holds: a replica's match is the deepest of the request's blocks it
-holds, found for every replica at once by walking the request's blocks from the deepest up.
+holds, found for every replica at once by bisecting the request's chain.
 """
 from __future__ import annotations
 
@@ -42,15 +42,26 @@ class PrefixIndex:
 
     def matched_blocks(self, hashes: Sequence[int]) -> Dict[Hashable, int]:
         """How many leading blocks of `hashes` each replica holds (replicas holding none: absent).
-        Cost: one lookup per block down to where every holder is found, whatever the fleet size."""
+
+        By the prefix property the holders of block i include those of block i+1, so the holders'
+        count only grows toward the root: bisecting on it finds the deepest depth where someone new
+        holds the chain, then the next one above it. Cost: about log2(len(hashes)) lookups per
+        distinct match depth, whatever the fleet size."""
         found: Dict[Hashable, int] = {}
-        for depth in range(len(hashes), 0, -1):
-            owners = self._owners.get(hashes[depth - 1])
-            if owners:
-                for r in owners:
-                    found.setdefault(r, depth)
-                if len(found) == len(self._blocks):
-                    break
+        top = len(hashes)
+        while top > 0 and len(found) < len(self._blocks):
+            lo, hi = 0, top  # the deepest depth in [1, top] with more holders than found so far
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if len(self._owners.get(hashes[mid - 1], ())) > len(found):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo == 0:
+                break
+            for r in self._owners[hashes[lo - 1]]:
+                found.setdefault(r, lo)
+            top = lo - 1
         return found
 
     def remove_replicas(self, replicas: Iterable[Hashable]) -> None:

@@ -12,12 +12,14 @@ is made per request: reports arrive through Serve's routing stats, everything el
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections import OrderedDict, deque
+from dataclasses import dataclass, replace
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from batcher.block_manager import cacheable_block_hashes
@@ -25,11 +27,13 @@ from batcher.simulated import PRESETS
 from router import feedback
 from router.config import LLMRouterConfig
 from router.index import PrefixIndex
-from router.scoring import (EngineShape, Request, Routed, Report, Score, estimate_load, fill_unknown,
-                            own_load, prefill_rate, score_replicas)
+from router.scoring import (EngineShape, Load, Ranking, Report, Request, Routed, fleet_loads, own_load,
+                            prefill_rate, replica_load, score_replicas)
 
 _TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
 _FORGET_AFTER_S = 3600.0  # a request still counted after this long was lost without a callback
+_MAX_COMPLETED = 4096  # per replica: completions its latest report may still count
+_NO_REPORT = (-math.inf, 0.0, 0.0, 0.0, math.nan)  # a load row that is never fresh
 
 
 @dataclass
@@ -47,13 +51,18 @@ class LLMRouter(RequestRouter):
         self.shape = EngineShape(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.prefill_tokens_per_s = prefill_rate(self.step_model, self.shape)
         self.index = PrefixIndex(cfg.max_blocks_per_replica)
+        self._rng = np.random.default_rng()
         self._prepared: "OrderedDict[str, _Prepared]" = OrderedDict()  # by Serve's internal request id
-        # Per replica (keyed by ReplicaID.unique_id): requests in flight in routing order, last report.
+        # Per replica (keyed by ReplicaID.unique_id): requests in flight, requests completed since
+        # (while its report may still count them), its last report and the load row made of them.
         self._inflight: Dict[str, Dict[str, Routed]] = {}
+        self._completed: Dict[str, Deque[Routed]] = {}
         self._reports: Dict[str, tuple] = {}  # (the stats dict Serve delivered, its Report)
+        self._rows: Dict[str, tuple] = {}  # (time_s, queued, batch, context, kv_free); dropped on change
         # Internal request id -> (replica it is counted on, since when), oldest first.
         self._tracked: "OrderedDict[str, Tuple[str, float]]" = OrderedDict()
-        self._awaiting_answer: "OrderedDict[str, ReplicaID]" = OrderedDict()  # our request id -> replica
+        # Our request id -> (replica, its prompt's block hashes): the answer's blocks chain on from them.
+        self._awaiting_answer: "OrderedDict[str, Tuple[ReplicaID, List[int]]]" = OrderedDict()
         self._mean_output_tokens: Optional[float] = None
         feedback.register(self)
 
@@ -71,31 +80,42 @@ class LLMRouter(RequestRouter):
             return [[r] for r in random.sample(candidate_replicas, len(candidate_replicas))]
         key = pending_request.metadata.internal_request_id
         prepared = self._prepare(pending_request)
-        scores = self.score(candidate_replicas, prepared)
+        ranking = self.score(candidate_replicas, prepared)
+        best = ranking[0]
         # Count the request on its first choice now: a burst is routed by concurrent tasks before
         # Serve confirms any of them (on_request_routed), and each must see the ones before it.
-        self._track(key, scores[0].replica, prepared, scores[0].cached_tokens)
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranked = [by_id[s.replica] for s in scores]
+        self._track(key, best.replica, prepared, best.cached_tokens)
+        ranked = [candidate_replicas[i] for i in ranking.order]
         return [[r] for r in ranked[:_TOP_RANKS]] + ([ranked[_TOP_RANKS:]] if len(ranked) > _TOP_RANKS else [])
 
     def score(self, candidates: Sequence[RunningReplica], prepared: _Prepared,
-              now: Optional[float] = None) -> List[Score]:
+              now: Optional[float] = None) -> Ranking:
         now = time.time() if now is None else now
         cfg, bs = self.config, self.shape.block_size
-        loads, own, cached = {}, {}, {}
+        rids = [r.replica_id.unique_id for r in candidates]  # str keys: ReplicaID hashes in Python, 10x slower
+        rows = np.array([self._row(rid, r.routing_stats) for rid, r in zip(rids, candidates)], dtype=float)
+        loads = fleet_loads(rows, now, cfg.max_stats_age_s, self.prefill_tokens_per_s,
+                            lambda i: own_load(list(self._inflight.get(rids[i], {}).values()), now,
+                                               self.prefill_tokens_per_s))
         matched = self.index.matched_blocks(prepared.hashes)
         most = prepared.request.prompt_tokens - 1  # never the last token: the engine always computes it
-        for r in candidates:
-            rid = r.replica_id.unique_id  # str keys: ReplicaID hashes in Python, 10x slower
-            report = self._report(rid, r.routing_stats)
-            inflight = self._inflight.get(rid, {}).values()
-            loads[rid] = estimate_load(report, inflight, now, cfg.max_stats_age_s, bs, self.prefill_tokens_per_s)
-            if loads[rid] is None:
-                own[rid] = own_load(inflight, now, self.prefill_tokens_per_s)
-            cached[rid] = min(matched.get(rid, 0) * bs, most)
-        return score_replicas(self.step_model, self.shape, fill_unknown(loads, own), cached, prepared.request,
-                              cfg.load_bound)
+        cached = np.minimum(np.fromiter((matched.get(rid, 0) for rid in rids), float, len(rids)) * bs, most)
+        return score_replicas(self.step_model, self.shape, rids, loads, cached, prepared.request,
+                              cfg.load_bound, cfg.affinity_margin, self._rng)
+
+    def load(self, rid: str, stats: Optional[dict]) -> Optional[Load]:
+        """Replica `rid`'s load as of its report `stats` (None: no report), this router's requests applied."""
+        return replica_load(self._report(rid, stats), self._inflight.get(rid, {}).values(),
+                            self._completed.get(rid, ()), self.shape.block_size)
+
+    def _row(self, rid: str, stats: Optional[dict]) -> tuple:
+        report = self._report(rid, stats)
+        row = self._rows.get(rid)
+        if row is None:
+            load = self.load(rid, stats) if report is not None else None
+            row = self._rows[rid] = _NO_REPORT if load is None else (
+                load.time_s, load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free)
+        return row
 
     def _report(self, rid: str, stats: Optional[dict]) -> Optional[Report]:
         """Parsed once per report Serve delivers (a new dict each time), not once per decision."""
@@ -105,7 +125,12 @@ class LLMRouter(RequestRouter):
         report = Report.parse(stats)
         if report is not None:
             self.index.set_capacity(rid, report.kv_blocks_total)
+            # Completions before this report was taken are in it (and in every later one).
+            done = self._completed.get(rid)
+            while done and done[0].completed_at < report.time_s:
+                done.popleft()
         self._reports[rid] = (stats, report)
+        self._rows.pop(rid, None)
         return report
 
     def _prepare(self, pending_request: PendingRequest) -> _Prepared:
@@ -133,8 +158,9 @@ class LLMRouter(RequestRouter):
         self._untrack(key)
         now = time.time()
         self._inflight.setdefault(rid, {})[key] = Routed(
-            now, prepared.request.prompt_tokens, prepared.request.prompt_tokens - cached)
+            now, prepared.request.prompt_tokens, prepared.request.prompt_tokens - cached, prepared.request_id)
         self._tracked[key] = (rid, now)
+        self._rows.pop(rid, None)
         # Oldest first: a request Serve never confirmed or completed (cancelled while queued) must
         # not weigh on its replica for ever.
         while self._tracked:
@@ -143,10 +169,12 @@ class LLMRouter(RequestRouter):
                 break
             self._untrack(old_key)
 
-    def _untrack(self, key: str) -> None:
+    def _untrack(self, key: str) -> Tuple[Optional[str], Optional[Routed]]:
         rid, _ = self._tracked.pop(key, (None, None))
-        if rid is not None:
-            self._inflight.get(rid, {}).pop(key, None)
+        if rid is None:
+            return None, None
+        self._rows.pop(rid, None)
+        return rid, self._inflight.get(rid, {}).pop(key, None)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         key = pending_request.metadata.internal_request_id
@@ -161,11 +189,16 @@ class LLMRouter(RequestRouter):
         # The replica computes these blocks now: the next request sharing them should follow.
         self.index.insert(rid, prepared.hashes)
         if prepared.request_id:
-            self._awaiting_answer[prepared.request_id] = replica_id
+            self._awaiting_answer[prepared.request_id] = (replica_id, prepared.hashes)
             self._bound(self._awaiting_answer)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._untrack(internal_request_id)
+        """No longer in flight; but the replica's latest report may still count it (it was taken
+        before the request ended), so it is kept as a completion until a later report arrives."""
+        rid, routed = self._untrack(internal_request_id)
+        if routed is not None:
+            done = self._completed.setdefault(rid, deque(maxlen=_MAX_COMPLETED))
+            done.append(replace(routed, completed_at=time.time()))
 
     def record_answer(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """A finished answer: its blocks stay cached on the replica that computed it, and its length
@@ -182,14 +215,16 @@ class LLMRouter(RequestRouter):
             self._record_answer(request_id, prompt_token_ids, output_token_ids)
 
     def _record_answer(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
-        replica_id = self._awaiting_answer.pop(request_id, None)
+        replica_id, prompt_hashes = self._awaiting_answer.pop(request_id, (None, None))
         if replica_id is None:
             return
         m, n = self._mean_output_tokens, len(output_token_ids)
         self._mean_output_tokens = n if m is None else 0.95 * m + 0.05 * n
         if replica_id in self._replicas:
+            # The engine's chain over prompt + answer, continued from the prompt's hashes.
             tokens = list(prompt_token_ids) + list(output_token_ids)
-            self.index.insert(replica_id.unique_id, cacheable_block_hashes(tokens, self.shape.block_size))
+            self.index.insert(replica_id.unique_id,
+                              cacheable_block_hashes(tokens, self.shape.block_size, known=prompt_hashes))
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -197,14 +232,16 @@ class LLMRouter(RequestRouter):
         gone -= {rid.unique_id for rid in self._replica_id_set}
         self.index.remove_replicas(gone)
         for rid in gone:
-            self._inflight.pop(rid, None)
-            self._reports.pop(rid, None)
+            self._forget(rid)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.remove_replicas([replica_id.unique_id])
-        self._inflight.pop(replica_id.unique_id, None)
-        self._reports.pop(replica_id.unique_id, None)
+        self._forget(replica_id.unique_id)
+
+    def _forget(self, rid: str) -> None:
+        for table in (self._inflight, self._completed, self._reports, self._rows):
+            table.pop(rid, None)
 
     def _bound(self, table: OrderedDict) -> None:
         while len(table) > self.config.max_tracked_requests:

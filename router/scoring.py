@@ -1,6 +1,7 @@
 """One score per replica, in seconds: how long this request would take there.
 
-    prefill ahead of it (what the replica reported queued + what this router sent since)
+    prefill ahead of it (what the replica reported queued, corrected by what this router sent and
+    saw complete since)
   + its own prompt minus what that replica already caches,
     at the prefill rate the replica's decode batch leaves (decode-first scheduling)
   + its decode, at the batch and context it joins (the decode load already there)
@@ -9,14 +10,18 @@ Step times come from a `StepTimeModel` (batcher.simulated: the same model simula
 on), so the three terms are in one unit and comparable. There is no fleet-wide gate between
 "affinity" and "load": a hot prefix stops pinning its holder as soon as the holder's queue costs
 more than recomputing the prefix elsewhere, and the prefix then spreads on its own.
+
+Per replica the load is one row (`Load`), rebuilt only when its report or this router's requests
+on it change; a decision scores the whole fleet at once over those rows with numpy.
 Pure functions over plain data classes: unit-tested without Ray.
 """
 from __future__ import annotations
 
 import math
-import random
-from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional, Reversible, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, FrozenSet, Iterable, List, Optional, Sequence
+
+import numpy as np
 
 from batcher.simulated import StepTimeModel
 
@@ -32,7 +37,9 @@ class EngineShape:
 
 @dataclass(frozen=True)
 class Report:
-    """What a replica last reported (LLMServer.record_routing_stats), timestamped by the replica."""
+    """What a replica last reported (LLMServer.record_routing_stats), timestamped by the replica.
+    `request_ids`: the requests it held then (waiting or running); None from a replica that does
+    not list them (then "counted in the report" is judged by time)."""
 
     time_s: float
     waiting: int
@@ -41,21 +48,26 @@ class Report:
     context_tokens: int
     kv_blocks_free: int
     kv_blocks_total: int
+    request_ids: Optional[FrozenSet[str]] = None
 
     @classmethod
     def parse(cls, stats: Optional[dict]) -> Optional["Report"]:
         if not stats or "time_s" not in stats:
             return None
-        return cls(**{f: stats.get(f, 0) for f in cls.__dataclass_fields__})
+        ids = stats.get("request_ids")
+        fields = {f: stats.get(f, 0) for f in cls.__dataclass_fields__ if f != "request_ids"}
+        return cls(**fields, request_ids=None if ids is None else frozenset(ids))
 
 
 @dataclass(frozen=True)
 class Routed:
-    """One request this router sent to a replica and has not seen complete."""
+    """One request this router sent to a replica (`completed_at` set once Serve said it ended)."""
 
     routed_at: float
     prompt_tokens: int
     uncached_tokens: int
+    request_id: Optional[str] = None
+    completed_at: Optional[float] = None
 
 
 @dataclass
@@ -64,6 +76,7 @@ class Load:
     batch: float  # sequences running or about to join the batch
     context_tokens: float
     kv_blocks_free: Optional[float]  # None: unknown
+    time_s: float = field(default=0.0)  # when queued_prefill_tokens was true (the report's time)
 
 
 @dataclass(frozen=True)
@@ -72,23 +85,47 @@ class Request:
     output_tokens: int  # expected decode length
 
 
-def estimate_load(report: Optional[Report], inflight: Reversible[Routed], now: float, max_age_s: float,
-                  block_size: int, prefill_tokens_per_s: float) -> Optional[Load]:
-    """The replica's report plus what this router sent after it (`inflight` in routing order), less
-    the prefill the replica has done since (at its rate); None when the report is missing or older
-    than `max_age_s` (unknown, which is not the same as idle)."""
-    if report is None or now - report.time_s > max_age_s:
+def counted_in(report: Report, r: Routed) -> bool:
+    """Whether `report` counts request `r` as waiting or running. By id where the replica lists
+    them: exact whatever the clocks and delays. Else by time: sent before the report, and (if it
+    ended) ended after it."""
+    if report.request_ids is not None and r.request_id is not None:
+        return r.request_id in report.request_ids
+    return r.routed_at <= report.time_s and (r.completed_at is None or r.completed_at > report.time_s)
+
+
+def replica_load(report: Optional[Report], inflight: Iterable[Routed], completed: Iterable[Routed],
+                 block_size: int) -> Optional[Load]:
+    """The report corrected by this router's own knowledge: requests in flight it does not count
+    yet are added; requests it counts that have completed since are taken out (and only those: a
+    completion a later report already reflects is not subtracted twice). None without a report."""
+    if report is None:
         return None
     queued, batch, context, kv_free = (report.queued_prefill_tokens, report.running + report.waiting,
                                        report.context_tokens, report.kv_blocks_free)
-    for r in reversed(inflight):  # newest first, down to the first one the report already counts
-        if r.routed_at <= report.time_s:
-            break
-        queued += r.uncached_tokens
-        batch += 1
-        context += r.prompt_tokens
-        kv_free -= -(-r.uncached_tokens // block_size)
-    return Load(max(0.0, queued - (now - report.time_s) * prefill_tokens_per_s), batch, context, kv_free)
+    for r in inflight:
+        if not counted_in(report, r):
+            queued += r.uncached_tokens
+            batch += 1
+            context += r.prompt_tokens
+            kv_free -= -(-r.uncached_tokens // block_size)
+    for r in completed:
+        if counted_in(report, r):
+            batch -= 1
+            context -= r.prompt_tokens
+            kv_free += -(-r.prompt_tokens // block_size)
+    return Load(queued, max(0, batch), max(0, context), kv_free, report.time_s)
+
+
+def estimate_load(report: Optional[Report], inflight: Iterable[Routed], completed: Iterable[Routed], now: float,
+                  max_age_s: float, block_size: int, prefill_tokens_per_s: float) -> Optional[Load]:
+    """`replica_load` as of `now`: less the prefill done since the report (at the replica's rate);
+    None when the report is missing or older than `max_age_s` (unknown, which is not idle)."""
+    if report is None or now - report.time_s > max_age_s:
+        return None
+    load = replica_load(report, inflight, completed, block_size)
+    load.queued_prefill_tokens = max(0.0, load.queued_prefill_tokens - (now - report.time_s) * prefill_tokens_per_s)
+    return load
 
 
 def prefill_rate(step: StepTimeModel, shape: EngineShape) -> float:
@@ -102,71 +139,114 @@ def own_load(inflight: Sequence[Routed], now: float, prefill_tokens_per_s: float
     return Load(
         queued_prefill_tokens=sum(max(0.0, r.uncached_tokens - (now - r.routed_at) * prefill_tokens_per_s)
                                   for r in inflight),
-        batch=len(inflight), context_tokens=sum(r.prompt_tokens for r in inflight), kv_blocks_free=None,
-    )
+        batch=len(inflight), context_tokens=sum(r.prompt_tokens for r in inflight), kv_blocks_free=None, time_s=now)
 
 
-def fill_unknown(loads: Dict[Hashable, Optional[Load]], own: Dict[Hashable, Load]) -> Dict[Hashable, Load]:
-    """A replica without a fresh report is assumed at least as loaded as the fleet's average known
-    replica (and as what this router itself sent it), never idle."""
-    known = [v for v in loads.values() if v is not None]
-    n = len(known)
-    mean = Load(sum(v.queued_prefill_tokens for v in known) / n, sum(v.batch for v in known) / n,
-                sum(v.context_tokens for v in known) / n, None) if n else Load(0, 0, 0, None)
-    out = {}
-    for r, v in loads.items():
-        if v is None:
-            mine = own[r]
-            v = Load(max(mine.queued_prefill_tokens, mean.queued_prefill_tokens), max(mine.batch, mean.batch),
-                     max(mine.context_tokens, mean.context_tokens), None)
-        out[r] = v
-    return out
+@dataclass
+class FleetLoads:
+    """The fleet's loads as columns (one entry per candidate replica), as of one instant."""
+
+    queued: np.ndarray
+    batch: np.ndarray
+    context: np.ndarray
+    kv_free: np.ndarray  # NaN: unknown
+
+    @classmethod
+    def of(cls, loads: Sequence[Load]) -> "FleetLoads":
+        return cls(*(np.array(c, dtype=float) for c in zip(*[
+            (l.queued_prefill_tokens, l.batch, l.context_tokens,
+             math.nan if l.kv_blocks_free is None else l.kv_blocks_free) for l in loads])))
 
 
-def expected_seconds(step: StepTimeModel, shape: EngineShape, load: Load, uncached_tokens: int,
-                     request: Request) -> float:
-    """Expected time to the request's last token on a replica with `load`."""
-    batch = load.batch
-    prefill_per_step = max(1.0, shape.max_num_batched_tokens - min(batch, shape.max_num_seqs))
-    prefill = load.queued_prefill_tokens + uncached_tokens
-    first = math.ceil(prefill / prefill_per_step) * step.step_seconds(
-        min(prefill, prefill_per_step), min(batch, shape.max_num_seqs), load.context_tokens)
-    joined = min(batch + 1, shape.max_num_seqs)
-    decode = request.output_tokens * step.step_seconds(0, joined, load.context_tokens + request.prompt_tokens)
-    if batch >= shape.max_num_seqs:  # a full batch: wait for that many sequences to finish first
-        first += (batch + 1 - shape.max_num_seqs) / shape.max_num_seqs * decode
+def fleet_loads(rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_per_s: float,
+                own: Callable[[int], Load]) -> FleetLoads:
+    """Columns from cached rows (time_s, queued, batch, context, kv_free; time_s = -inf: no report),
+    the queued prefill decayed to `now`. A replica without a fresh report is assumed at least as
+    loaded as the fleet's average known replica and as what this router sent it (`own(i)`), never idle."""
+    t, queued, batch, context, kv_free = rows.T
+    queued = np.maximum(0.0, queued - (now - t) * prefill_tokens_per_s)
+    stale = now - t > max_age_s
+    if stale.any():
+        fresh = ~stale
+        mean = [c[fresh].mean() if fresh.any() else 0.0 for c in (queued, batch, context)]
+        queued, batch, context, kv_free = queued.copy(), batch.copy(), context.copy(), kv_free.copy()
+        for i in np.flatnonzero(stale):
+            mine = own(i)
+            queued[i] = max(mine.queued_prefill_tokens, mean[0])
+            batch[i] = max(mine.batch, mean[1])
+            context[i] = max(mine.context_tokens, mean[2])
+            kv_free[i] = math.nan
+    return FleetLoads(queued, batch, context, kv_free)
+
+
+def expected_seconds(step: StepTimeModel, shape: EngineShape, loads: FleetLoads, uncached_tokens: np.ndarray,
+                     request: Request) -> np.ndarray:
+    """Expected time to the request's last token on each replica."""
+    mns = shape.max_num_seqs
+    in_batch = np.minimum(loads.batch, mns)
+    prefill_per_step = np.maximum(1.0, shape.max_num_batched_tokens - in_batch)
+    prefill = loads.queued + uncached_tokens
+    first = np.ceil(prefill / prefill_per_step) * step.step_seconds(
+        np.minimum(prefill, prefill_per_step), in_batch, loads.context)
+    joined = np.minimum(loads.batch + 1, mns)
+    decode = request.output_tokens * step.step_seconds(0, joined, loads.context + request.prompt_tokens)
+    # A full batch: wait for that many sequences to finish first.
+    first = first + np.where(loads.batch >= mns, (loads.batch + 1 - mns) / mns * decode, 0.0)
     return first + decode
-
-
-def kv_full(load: Load, uncached_tokens: int, block_size: int) -> bool:
-    """No room for the request's prompt blocks (as far as the report says)."""
-    return load.kv_blocks_free is not None and load.kv_blocks_free < -(-(uncached_tokens + 1) // block_size)
 
 
 @dataclass
 class Score:
-    replica: Hashable
+    replica: str
     seconds: float
     kv_full: bool
     over_bound: bool  # taking it would put the replica above `load_bound` x the fleet's mean
     cached_tokens: int
 
 
-def score_replicas(step: StepTimeModel, shape: EngineShape, loads: Dict[Hashable, Load],
-                   cached_tokens: Dict[Hashable, int], request: Request, load_bound: float) -> List[Score]:
+@dataclass
+class Ranking(Sequence):
+    """Every candidate's score, best first. Score objects are made only for the ranks read."""
+
+    replicas: List[str]
+    seconds: np.ndarray
+    kv_full: np.ndarray
+    over_bound: np.ndarray
+    cached_tokens: np.ndarray
+    order: np.ndarray  # candidate positions, best first
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, rank):
+        if isinstance(rank, slice):
+            return [self[i] for i in range(*rank.indices(len(self)))]
+        i = self.order[rank]
+        return Score(self.replicas[i], float(self.seconds[i]), bool(self.kv_full[i]), bool(self.over_bound[i]),
+                     int(self.cached_tokens[i]))
+
+
+def score_replicas(step: StepTimeModel, shape: EngineShape, replicas: List[str], loads: FleetLoads,
+                   cached_tokens: np.ndarray, request: Request, load_bound: float, affinity_margin: float,
+                   rng: np.random.Generator) -> Ranking:
     """Every replica's score, best first: replicas with room in their KV cache first, then those
     within the load bound, then by expected seconds; ties (an idle fleet) broken at random.
 
     The bound is consistent hashing's "bounded loads" (Mirrokni et al., 2018) applied to affinity: a
     replica may hold at most ceil(load_bound x (sequences in the fleet + 1) / replicas), so a hot
     prefix cannot pile its traffic on its holder even where the step-time model finds it cheap
-    (batching many sequences costs little per step, but their tokens come slower)."""
-    capacity = math.ceil(load_bound * (sum(v.batch for v in loads.values()) + 1) / max(1, len(loads)))
-    scores = []
-    for r, load in loads.items():
-        cached = cached_tokens.get(r, 0)
-        uncached = request.prompt_tokens - cached
-        scores.append(Score(r, expected_seconds(step, shape, load, uncached, request),
-                            kv_full(load, uncached, shape.block_size), load.batch + 1 > capacity, cached))
-    scores.sort(key=lambda s: (s.kv_full, s.over_bound, s.seconds, random.random()))
-    return scores
+    (batching many sequences costs little per step, but their tokens come slower).
+
+    `affinity_margin` (>= 1): the replicas holding the longest cached prefix rank as if their
+    expected seconds were that many times smaller, so a holder wins up to that factor of the best
+    replica's wait (1: the expected seconds alone decide)."""
+    uncached = request.prompt_tokens - cached_tokens
+    seconds = expected_seconds(step, shape, loads, uncached, request)
+    kv_full = loads.kv_free < np.ceil((uncached + 1) / shape.block_size)  # NaN (unknown): never full
+    capacity = math.ceil(load_bound * (loads.batch.sum() + 1) / max(1, len(replicas)))
+    over_bound = loads.batch + 1 > capacity
+    key = seconds
+    if affinity_margin != 1.0 and cached_tokens.max(initial=0) > 0:
+        key = np.where(cached_tokens == cached_tokens.max(), seconds / affinity_margin, seconds)
+    order = np.lexsort((rng.random(len(replicas)), key, over_bound, kv_full))
+    return Ranking(replicas, seconds, kv_full, over_bound, cached_tokens, order)

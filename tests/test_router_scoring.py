@@ -4,13 +4,14 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from batcher.block_manager import cacheable_block_hashes
 from batcher.simulated import PRESETS
 from deployments.protocol import GenerateRequest
 from router.index import PrefixIndex
-from router.scoring import Load, Report, Routed, estimate_load, fill_unknown
+from router.scoring import FleetLoads, Load, Report, Routed, estimate_load, fleet_loads
 
 BS = 8
 SYSTEM = list(range(1000, 1400))  # a 400-token shared system prompt
@@ -113,11 +114,12 @@ def test_calls_that_are_not_generations_reach_every_replica_even_full_ones():
 def test_stale_reports_count_as_unknown_not_idle():
     now = time.time()
     stale = Report.parse(replica("s", now, age_s=30).routing_stats)
-    assert estimate_load(stale, [], now, max_age_s=5, block_size=BS, prefill_tokens_per_s=1000) is None
-    busy = Load(queued_prefill_tokens=3000, batch=40, context_tokens=20_000, kv_blocks_free=100)
-    filled = fill_unknown({"s": None, "b1": busy, "b2": busy},
-                          {"s": Load(0, 0, 0, None), "b1": busy, "b2": busy})
-    assert filled["s"].batch == 40 and filled["s"].queued_prefill_tokens == 3000  # the fleet's mean, not 0
+    assert estimate_load(stale, [], [], now, max_age_s=5, block_size=BS, prefill_tokens_per_s=1000) is None
+    busy = (now, 3000, 40, 20_000, 100)
+    rows = np.array([(now - 30, 0, 0, 0, 10_000), busy, busy], dtype=float)
+    filled = fleet_loads(rows, now, max_age_s=5, prefill_tokens_per_s=0, own=lambda i: Load(0, 0, 0, None))
+    assert filled.batch[0] == 40 and filled.queued[0] == 3000  # the fleet's mean, not 0
+    assert np.isnan(filled.kv_free[0])  # unknown, not the stale report's free blocks
     # With the router: an idle-looking stale replica does not attract the traffic.
     router = make_router(max_stats_age_s=5)
     stale_idle = replica("stale", now, age_s=30)
@@ -131,10 +133,76 @@ def test_requests_routed_after_a_report_count_on_top_of_it():
     report = Report(time_s=now - 0.5, waiting=1, running=2, queued_prefill_tokens=100, context_tokens=300,
                     kv_blocks_free=50, kv_blocks_total=64)
     inflight = [Routed(now - 1.0, 64, 64), Routed(now - 0.1, 80, 40)]  # the first is in the report already
-    load = estimate_load(report, inflight, now, max_age_s=5, block_size=BS, prefill_tokens_per_s=100)
+    load = estimate_load(report, inflight, [], now, max_age_s=5, block_size=BS, prefill_tokens_per_s=100)
     # 100 + 40 queued, less 0.5 s of prefill at 100 tokens/s since the report.
     assert load.queued_prefill_tokens == pytest.approx(90)
     assert (load.batch, load.context_tokens, load.kv_blocks_free) == (4, 380, 45)
+
+
+def complete(router, reps, name, key):
+    router.on_request_completed(next(r.replica_id for r in reps if r.replica_id.unique_id == name), key)
+
+
+def test_a_completion_after_the_report_is_taken_out_once():
+    """The report counts two requests; one completes after it: the replica has one. A later report
+    that no longer counts it must not be corrected again (it would then look emptier than it is)."""
+    router, now = make_router(), time.time()
+    reps = [replica("a", now - 1, age_s=0)]
+    for i in (1, 2):
+        route(router, reps, request(list(range(i * 100, i * 100 + 80)), f"t{i}"), f"k{i}")
+    reps[0].routing_stats = {**reps[0].routing_stats, "time_s": time.time(), "running": 2, "context_tokens": 160,
+                             "request_ids": ["t1", "t2"]}
+    assert router.load("a", reps[0].routing_stats).batch == 2  # both counted once, not four times
+    complete(router, reps, "a", "k1")
+    # Scored as a replica that reports one running request, not two.
+    twin = replica("b", reps[0].routing_stats["time_s"], age_s=0, running=1, context_tokens=80)
+    ranking = router.score(reps + [twin], router.prepare(request(list(range(64)))))
+    assert ranking[0].seconds == pytest.approx(ranking[1].seconds)
+    assert router.load("a", reps[0].routing_stats).batch == 1
+    assert router.load("a", reps[0].routing_stats).context_tokens == 80
+    later = {**reps[0].routing_stats, "time_s": time.time() + 0.01, "running": 1, "context_tokens": 80,
+             "request_ids": ["t2"]}
+    assert router.load("a", later).batch == 1
+
+
+def test_completions_are_matched_by_time_when_the_replica_lists_no_ids():
+    router, now = make_router(), time.time()
+    reps = [replica("a", now - 1, age_s=0)]
+    route(router, reps, request(list(range(80)), "t1"), "k1")
+    report = {**reps[0].routing_stats, "time_s": time.time(), "running": 1, "context_tokens": 80}
+    complete(router, reps, "a", "k1")
+    assert router.load("a", report).batch == 0  # ended after the report: taken out
+    later = {**report, "time_s": time.time() + 0.01, "running": 0, "context_tokens": 0}
+    assert router.load("a", later).batch == 0  # reflected in the later report: not again
+
+
+def test_the_loaded_row_follows_routing_and_completion():
+    """Decisions read cached per-replica rows: routing and completing a request must refresh them."""
+    router, now = make_router(), time.time()
+    reps = [replica("a", now), replica("b", now)]
+    prepared = router.prepare(request(list(range(400)), "x"))
+    before = router.score(reps, prepared, now)
+    router._track("k", "a", prepared, 0)
+    assert router._row("a", reps[0].routing_stats)[2] == 1
+    assert router.score(reps, prepared, now)[0].replica == "b"
+    complete(router, reps, "a", "k")
+    assert router._row("a", reps[0].routing_stats)[2] == 0 and len(before) == 2
+
+
+def test_affinity_margin_lets_a_somewhat_busier_holder_keep_the_conversation():
+    now = time.time()
+    reps = lambda: [replica("holder", now, running=12, context_tokens=12 * 600), replica("idle", now)]
+    prompt = request(SYSTEM + [5, 6, 7])
+    plain = make_router(load_bound=10)  # the expected wait alone decides here
+    plain.index.insert("holder", cacheable_block_hashes(SYSTEM + [1], BS))
+    scores = plain.score(reps(), plain.prepare(prompt), now)
+    assert scores[0].replica == "idle"
+    ratio = scores[1].seconds / scores[0].seconds
+    sticky = make_router(load_bound=10, affinity_margin=ratio * 1.01)
+    sticky.index.insert("holder", cacheable_block_hashes(SYSTEM + [1], BS))
+    assert sticky.score(reps(), sticky.prepare(prompt), now)[0].replica == "holder"
+    with pytest.raises(ValueError):
+        make_router(affinity_margin=0.5)
 
 
 def test_index_is_bounded_and_evicts_tails_before_roots():

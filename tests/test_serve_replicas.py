@@ -71,6 +71,7 @@ def test_replica_reports_load_for_router_and_autoscaler(tiny_app):
     handle = serve.get_deployment_handle("LLMServer", "tiny")
     routing = handle.record_routing_stats.remote().result()
     assert {"waiting", "running", "kv_usage", "kv_blocks_free", "kv_blocks_total"} <= set(routing)
+    assert routing["request_ids"] == []  # idle: it holds no request
     autoscaling = handle.record_autoscaling_stats.remote().result()
     assert set(autoscaling) == {"waiting", "running", "kv_usage", "kv_blocks_free", "finished", "preemptions"}
     assert all(isinstance(v, float) for v in autoscaling.values())
