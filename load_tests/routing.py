@@ -94,6 +94,8 @@ def app_config(args, router_class: Optional[str], replicas: int) -> dict:
     router = {"request_routing_stats_period_s": args.stats_period_s}
     if router_class:
         router["request_router_class"] = router_class
+    if router_class == ROUTERS["llm-router"] and args.llm_router_kwargs:
+        router["request_router_kwargs"] = json.loads(args.llm_router_kwargs)
     return {"engine": {"model": f"sim:{args.preset}", "num_kv_blocks": args.kv_blocks, "max_num_seqs": 64,
                        "max_num_batched_tokens": 2048},
             "replica": {"num_replicas": replicas, "max_ongoing_requests": 256},
@@ -161,11 +163,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                    "this 2-core machine outweighs the modelled work and hides the routing")
     p.add_argument("--users-per-replica", type=int, default=4,
                    help="concurrent chat sessions per replica (every fleet gets the same load per replica)")
-    p.add_argument("--turns", type=int, default=4)
+    # Long chats with long user turns and short answers: most of each prompt is the conversation so
+    # far, so following the conversation matters, not only the system prompt (at best ~28% of the
+    # prompt tokens cached by system prompt alone, ~84% following the conversation). The earlier,
+    # lighter workload: --turns 4 --user-words 40 --max-tokens 16 --kv-blocks 400.
+    p.add_argument("--turns", type=int, default=8)
     p.add_argument("--system-words", type=int, default=300, help="~1.3 tokens a word")
-    p.add_argument("--user-words", type=int, default=40)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--kv-blocks", type=int, default=400, help="per replica (8 tokens each): scaled with the workload")
+    p.add_argument("--user-words", type=int, default=150)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--kv-blocks", type=int, default=1280,
+                   help="per replica (8 tokens each): room for its users' whole conversations, scaled with the workload")
+    p.add_argument("--llm-router-kwargs", default="",
+                   help='LLMRouter settings as JSON (router.request_router_kwargs), e.g. \'{"affinity_margin": 1.5}\'')
     p.add_argument("--stats-period-s", type=float, default=0.5)
     p.add_argument("--timeout-s", type=float, default=300)
     p.add_argument("--seed", type=int, default=0)
