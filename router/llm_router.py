@@ -3,8 +3,9 @@
 It runs inside every caller of the LLM deployment (the ingress, so HTTP traffic and Python handle
 callers alike). Per request it hashes the prompt's blocks exactly as the engine does (the ingress
 has applied the chat template and tokenized: `GenerateRequest.prompt_token_ids`), looks up how much
-of it each replica caches (router.index), estimates each replica's load from its last report plus
-what this router sent since (router.scoring), and ranks replicas by expected seconds. No remote call
+of it each replica caches (router.index), estimates each replica's load from its last report
+corrected by what this router sent and saw complete since (router.scoring), and ranks replicas by
+expected seconds. No remote call
 is made per request: reports arrive through Serve's routing stats, everything else is local.
 
     request_router_class: router:LLMRouter   (serve_config.yaml, under args.router)
