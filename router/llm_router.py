@@ -33,6 +33,7 @@ from router.scoring import (EngineShape, Load, Ranking, Report, Request, Routed,
 
 _TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
 _FORGET_AFTER_S = 3600.0  # a request still counted after this long was lost without a callback
+_ANSWER_WAIT_S = 900.0  # a request's answer is expected within this (it ends the request)
 _MAX_COMPLETED = 4096  # per replica: completions its latest report may still count
 _NO_REPORT = (-math.inf, 0.0, 0.0, 0.0, math.nan)  # a load row that is never fresh
 
@@ -63,7 +64,7 @@ class LLMRouter(RequestRouter):
         # Internal request id -> (replica it is counted on, since when), oldest first.
         self._tracked: "OrderedDict[str, Tuple[str, float]]" = OrderedDict()
         # Our request id -> (replica, its prompt's block hashes): the answer's blocks chain on from them.
-        self._awaiting_answer: "OrderedDict[str, Tuple[ReplicaID, List[int]]]" = OrderedDict()
+        self._awaiting_answer: "OrderedDict[str, Tuple[ReplicaID, List[int], float]]" = OrderedDict()
         self._mean_output_tokens: Optional[float] = None
         feedback.register(self)
 
@@ -190,8 +191,13 @@ class LLMRouter(RequestRouter):
         # The replica computes these blocks now: the next request sharing them should follow.
         self.index.insert(rid, prepared.hashes)
         if prepared.request_id:
-            self._awaiting_answer[prepared.request_id] = (replica_id, prepared.hashes)
+            now = time.time()
+            self._awaiting_answer[prepared.request_id] = (replica_id, prepared.hashes, now)
             self._bound(self._awaiting_answer)
+            # Hashes are ~40 bytes a block: entries of requests that never report an answer (failed
+            # ones) go after a while, not only at the count bound.
+            while next(iter(self._awaiting_answer.values()))[2] < now - _ANSWER_WAIT_S:
+                self._awaiting_answer.popitem(last=False)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """No longer in flight; but the replica's latest report may still count it (it was taken
@@ -216,7 +222,7 @@ class LLMRouter(RequestRouter):
             self._record_answer(request_id, prompt_token_ids, output_token_ids)
 
     def _record_answer(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
-        replica_id, prompt_hashes = self._awaiting_answer.pop(request_id, (None, None))
+        replica_id, prompt_hashes, _ = self._awaiting_answer.pop(request_id, (None, None, None))
         if replica_id is None:
             return
         m, n = self._mean_output_tokens, len(output_token_ids)
