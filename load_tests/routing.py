@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import socket
 from pathlib import Path
@@ -194,6 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     # process: serializing a router class after that failed here (cloudpickle met an asyncio.Future).
     apps = {n: {name: build_app(app_config(args, ROUTERS[name], n)) for name in args.routers} for n in fleets}
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         results = {n: run_fleet(args, n, apps[n], f"http://127.0.0.1:{port}") for n in fleets}
