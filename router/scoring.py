@@ -117,17 +117,6 @@ def replica_load(report: Optional[Report], inflight: Iterable[Routed], completed
     return Load(queued, max(0, batch), max(0, context), kv_free, report.time_s)
 
 
-def estimate_load(report: Optional[Report], inflight: Iterable[Routed], completed: Iterable[Routed], now: float,
-                  max_age_s: float, block_size: int, prefill_tokens_per_s: float) -> Optional[Load]:
-    """`replica_load` as of `now`: less the prefill done since the report (at the replica's rate);
-    None when the report is missing or older than `max_age_s` (unknown, which is not idle)."""
-    if report is None or now - report.time_s > max_age_s:
-        return None
-    load = replica_load(report, inflight, completed, block_size)
-    load.queued_prefill_tokens = max(0.0, load.queued_prefill_tokens - (now - report.time_s) * prefill_tokens_per_s)
-    return load
-
-
 def prefill_rate(step: StepTimeModel, shape: EngineShape) -> float:
     """Prompt tokens per second a replica prefills when its whole step budget goes to prefill."""
     return shape.max_num_batched_tokens / step.step_seconds(shape.max_num_batched_tokens, 0, 0)

@@ -11,7 +11,7 @@ from batcher.block_manager import cacheable_block_hashes
 from batcher.simulated import PRESETS
 from deployments.protocol import GenerateRequest
 from router.index import PrefixIndex
-from router.scoring import FleetLoads, Load, Report, Routed, estimate_load, fleet_loads
+from router.scoring import Load, Report, Routed, fleet_loads, replica_load
 
 BS = 8
 SYSTEM = list(range(1000, 1400))  # a 400-token shared system prompt
@@ -113,8 +113,6 @@ def test_calls_that_are_not_generations_reach_every_replica_even_full_ones():
 
 def test_stale_reports_count_as_unknown_not_idle():
     now = time.time()
-    stale = Report.parse(replica("s", now, age_s=30).routing_stats)
-    assert estimate_load(stale, [], [], now, max_age_s=5, block_size=BS, prefill_tokens_per_s=1000) is None
     busy = (now, 3000, 40, 20_000, 100)
     rows = np.array([(now - 30, 0, 0, 0, 10_000), busy, busy], dtype=float)
     filled = fleet_loads(rows, now, max_age_s=5, prefill_tokens_per_s=0, own=lambda i: Load(0, 0, 0, None))
@@ -133,10 +131,12 @@ def test_requests_routed_after_a_report_count_on_top_of_it():
     report = Report(time_s=now - 0.5, waiting=1, running=2, queued_prefill_tokens=100, context_tokens=300,
                     kv_blocks_free=50, kv_blocks_total=64)
     inflight = [Routed(now - 1.0, 64, 64), Routed(now - 0.1, 80, 40)]  # the first is in the report already
-    load = estimate_load(report, inflight, [], now, max_age_s=5, block_size=BS, prefill_tokens_per_s=100)
-    # 100 + 40 queued, less 0.5 s of prefill at 100 tokens/s since the report.
-    assert load.queued_prefill_tokens == pytest.approx(90)
-    assert (load.batch, load.context_tokens, load.kv_blocks_free) == (4, 380, 45)
+    load = replica_load(report, inflight, [], block_size=BS)
+    assert (load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free) == (140, 4, 380, 45)
+    # As of now: less 0.5 s of prefill at 100 tokens/s since the report.
+    row = np.array([(load.time_s, load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free)])
+    now_load = fleet_loads(row, now, max_age_s=5, prefill_tokens_per_s=100, own=None)
+    assert now_load.queued[0] == pytest.approx(90)
 
 
 def complete(router, reps, name, key):
