@@ -265,6 +265,10 @@ def test_unknown_policy_knob_fails_the_deploy():
 
     with pytest.raises(ConfigError, match="target_runing"):
         build_app({"autoscaling": {"policy_kwargs": {"target_runing": 3}}})
+    with pytest.raises(ConfigError, match="queue_drain_s"):
+        build_app({"autoscaling": {"policy_kwargs": {"startup_s": 300, "queue_drain_s": 30}}})
+    with pytest.raises(ConfigError, match="growth_lead"):
+        build_app({"autoscaling": {"policy_kwargs": {"growth_lead": -1}}})
 
 
 def test_graceful_window_sized_from_max_model_len():
