@@ -23,7 +23,9 @@ What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged 
     lead      : growth_lead > 0 sizes for demand extrapolated over that share of the start-up time
     down      : one replica per decision, only when the fleet without it keeps headroom (requests under
                 downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure),
-                never within downscale_dwell_s of an addition (no reversal on a burst's tail). The wait
+                never within downscale_dwell_s of an addition (no reversal on a burst's tail) nor, for
+                reversal_guard_s, back to a count that had to grow unless demand has halved since
+                (steady load does not cycle). The wait
                 (downscale_dwell_s for the first removal after a rise, downscale_step_s for the next)
                 shrinks with how far load is below that headroom: a fleet twice too big empties fast
     zero      : with min_replicas 0, the last replica leaves after scale_to_zero_dwell_s with no
@@ -49,6 +51,7 @@ _HISTORY = "iterserve_demand"  # policy_state: recent (time, requests in the sys
 _LAST_UP = "iterserve_last_up"  # policy_state: when replicas were last added
 _ASK = "iterserve_ask"  # policy_state: (time, count) of the oldest ask not yet running
 _STARTUP = "iterserve_startup_s"  # policy_state: measured start-up seconds
+_TOO_SMALL = "iterserve_too_small"  # policy_state: (time, count, demand) of the last fleet that had to grow
 
 
 class QueueDepthPolicyConfig(BaseModel):
@@ -76,13 +79,17 @@ class QueueDepthPolicyConfig(BaseModel):
         "the start-up time (0: off, purely reactive).")
     kv_high: float = Field(0.9, gt=0, le=1, description="KV usage at which a replica counts as full.")
     downscale_headroom: float = Field(
-        0.8, gt=0, le=1, description="Remove a replica only if demand stays under this share of the "
+        0.7, gt=0, le=1, description="Remove a replica only if demand stays under this share of the "
         "smaller fleet's capacity (the band between up and down stops oscillation).")
     downscale_dwell_s: float = Field(
         60.0, ge=0, description="No removal this soon after an addition; also the headroom held before "
         "the first removal after a rise (shorter the further load is below the headroom).")
     downscale_step_s: float = Field(5.0, ge=0, description="Headroom held before each further removal "
                                     "(one replica each; shorter the further load is below the headroom).")
+    reversal_guard_s: float = Field(
+        600.0, ge=0, description="After a fleet of N replicas had to grow, no removal back to N for this "
+        "long unless demand has halved since: near saturation, running sequences fall as replicas are added (faster steps), so a fleet "
+        "that looks roomy would be too small again one replica down.")
     scale_to_zero_dwell_s: float = Field(
         300.0, ge=0, description="No request at all for this long before the last replica leaves "
         "(only with min_replicas 0).")
@@ -165,7 +172,7 @@ class QueueDepthPolicy:
                 desired = max(desired, target + _replicas_for(demand - capacity, c.target_running))
 
         if desired > target:
-            state[_LAST_UP] = now
+            state[_LAST_UP], state[_TOO_SMALL] = now, (now, target, demand)
             if state.get(_ASK) is None:
                 state[_ASK] = (now, min(desired, hi))
         if desired > target or queued > 0 or pressured:
@@ -217,6 +224,10 @@ class QueueDepthPolicy:
         last_up = state.get(_LAST_UP)
         if last_up is not None and now - last_up < c.downscale_dwell_s:
             return target  # no removal right after an addition: that would be a reversal
+        too_small = state.get(_TOO_SMALL)
+        if (too_small is not None and smaller <= too_small[1] and now - too_small[0] < c.reversal_guard_s
+                and demand > 0.5 * too_small[2]):
+            return target  # back to a count that proved too small for about this load: it would reverse
         if now - since >= dwell:
             state[_LOW_SINCE], state[_STEPPING] = None, True  # the next removal re-checks on fresh metrics
             return smaller

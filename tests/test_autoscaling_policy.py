@@ -159,6 +159,24 @@ def test_no_removal_shortly_after_an_addition():
     assert n == 9
 
 
+def test_no_removal_back_to_a_count_that_had_to_grow():
+    # 4 replicas ran 42 (over their capacity of 40) and grew to 5; later 27 requests fit 4 at 70% (28),
+    # but 4 was too small for this load: no removal within reversal_guard_s unless demand halves (21).
+    p = policy(downscale_dwell_s=10, downscale_headroom=0.7, reversal_guard_s=600)
+    n, state = p(ctx(4, running=[10.5] * 4, now=0))
+    assert n == 5
+    for t in (100, 300, 599):
+        n, state = p(ctx(5, running=[5.4] * 5, state=state, now=t))
+        assert n == 5
+    n, state = p(ctx(5, running=[5.4] * 5, state=state, now=600))
+    assert n == 4
+    # Demand halved since the rise: the guard lets go at once.
+    n, state = p(ctx(4, running=[10.5] * 4, now=0))
+    n, state = p(ctx(5, running=[3.0] * 5, state=state, now=100))
+    n, state = p(ctx(5, running=[3.0] * 5, state=state, now=120))
+    assert n == 4
+
+
 def test_falling_demand_never_scales_up():
     # A 5.5 s queue wait (11 per replica at 2 req/s) would add replicas, but the system held 40
     # requests 5 s ago and 30 now: the queue drains, so nothing is added.

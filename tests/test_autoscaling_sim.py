@@ -19,7 +19,8 @@ def trace():
     # 10 min at 200 req/s, a 3x step within 10 s held 10 min, back to 200 for 20 min.
     t = np.array([0, 600, 610, 1200, 1210, 2400.0])
     rate = np.array([200, 200, 600, 600, 200, 200.0])
-    return Trace(t, rate, "step", steady=[(120.0, 600.0), (1800.0, 2400.0)])
+    # Steady spans start once the fleet has settled from the run's start (its first minutes size it).
+    return Trace(t, rate, "step", steady=[(300.0, 600.0), (1800.0, 2400.0)])
 
 
 @pytest.fixture(scope="module")
