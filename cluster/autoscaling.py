@@ -18,8 +18,8 @@ What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged 
                 the expected wait exceeds max_queue_wait_s and demand is not falling, enough replicas
                 for the arrival rate (completions + growth of the queue) plus draining a backlog within
                 queue_drain_s, at the measured service time (Little: running / completions per s).
-                The backlog a burst's first decision sizes for is the queue the replicas will have by
-                the time new ones run (today's queue + its growth over the start-up time)
+                Only a burst's first decision (no replica starting) asks for the backlog: the
+                replicas on the way drain what queues while they start
     lead      : growth_lead > 0 sizes for demand extrapolated over that share of the start-up time
     down      : one replica per decision, only when the fleet without it keeps headroom (requests under
                 downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure),
@@ -163,9 +163,9 @@ class QueueDepthPolicy:
                     arrivals = completions + growth
                     # Replicas that queue below target_running (long prompts, KV) run what they run.
                     per_replica = min(c.target_running, busy / len(measured))
-                    # A burst's first decision sizes for the queue its replicas will hold once new ones
-                    # run; while replicas start, they drain it (else each tick would grow the target).
-                    backlog = (queued + growth * startup) / c.queue_drain_s if starting == 0 else 0.0
+                    # A burst's first decision sizes for the queue the replicas hold; while replicas
+                    # start, they drain it (else each tick would grow the target for the same backlog).
+                    backlog = queued / c.queue_drain_s if starting == 0 else 0.0
                     need = (arrivals + backlog) * service_s / per_replica
                     desired = max(desired, _replicas_for(need, 1.0))
             elif demand > capacity:  # nothing measured yet (a first burst): count the queue as load

@@ -76,10 +76,9 @@ def test_expected_queue_wait_from_measured_throughput_adds_replicas():
     p = policy(max_queue_wait_s=2.0, queue_drain_s=60.0)
     n, state = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[1.0, 1.0], now=0))
     assert n == 3
-    # The queue grows by 10 in 5 s: arrivals are 2 + 2 req/s, and the backlog the replicas will hold
-    # once new ones run (startup_s 30) is 22 + 2 x 30: (4 + 82 / 60) x 4 / 4 = 5.4 -> 6.
+    # The queue grows by 10 in 5 s: arrivals are 2 + 2 req/s -> (4 + 22 / 60) x 4 / 4 = 4.4 -> 5.
     n, _ = p(ctx(2, running=[4, 4], waiting=[11, 11], finished=[1.0, 1.0], now=5, state=state))
-    assert n == 6
+    assert n == 5
     # The same queue served fast (10 req/s per replica): 0.6 s wait, no replica added.
     n, _ = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[10.0, 10.0]))
     assert n == 2
