@@ -2,7 +2,7 @@
 
 Serve wraps every policy (its own too) with `_apply_autoscaling_config`: scaling factors, then
 `upscale_delay_s` / `downscale_delay_s`, then min/max bounds. This policy keeps its own timing (the
-dwell before each removal), so the app sets those delays to 0 and the factors to 1 for it.
+waits before each removal), so the app sets those delays to 0 and the factors to 1 for it.
 
 What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged over the look-back):
 `running`, `waiting` (in the engine), `kv_usage`; and from the counters' raw series, `finished` and
@@ -13,15 +13,21 @@ What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged 
     capacity  = target_running sequences per replica, running and starting ones alike (capacity on the
                 way: a burst is not counted twice while its replicas start); a replica whose KV cache
                 is full or that preempted counts only what it runs now (it admits no more)
+    start-up  = measured from an ask to the replicas running (+ warmup_s); startup_s until measured
     up        : running sequences over capacity -> straight to the count that covers them; and when
-                the expected wait exceeds max_queue_wait_s, enough replicas for the arrival rate
-                (completions + growth of the queue) plus draining the queue within queue_drain_s, at the
-                measured service time (Little: running / completions per s) and target_running each
-                (or what replicas actually run, when they queue below it)
-    down      : one replica at a time, only when the fleet without it keeps headroom (requests under
-                downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure):
-                the first removal after a rise waits downscale_dwell_s, the next ones downscale_step_s
-                each (fresh metrics showing the headroom still holds)
+                the expected wait exceeds max_queue_wait_s and demand is not falling, enough replicas
+                for the arrival rate (completions + growth of the queue) plus draining a backlog within
+                queue_drain_s, at the measured service time (Little: running / completions per s).
+                Only a burst's first decision (no replica starting) asks for the backlog: the
+                replicas on the way drain what queues while they start
+    lead      : growth_lead > 0 sizes for demand extrapolated over that share of the start-up time
+    down      : one replica per decision, only when the fleet without it keeps headroom (requests under
+                downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure),
+                never within downscale_dwell_s of an addition (no reversal on a burst's tail) nor, for
+                reversal_guard_s, back to a count that had to grow unless demand has halved since
+                (steady load does not cycle). The wait
+                (downscale_dwell_s for the first removal after a rise, downscale_step_s for the next)
+                shrinks with how far load is below that headroom: a fleet twice too big empties fast
     zero      : with min_replicas 0, the last replica leaves after scale_to_zero_dwell_s with no
                 request at all; requests that arrive then wait at the handles while Serve's cold start
                 path brings one replica back
@@ -32,7 +38,7 @@ import math
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 POLICY_PATH = "cluster.autoscaling:QueueDepthPolicy"
 SERVE_POLICY_PATH = "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"
@@ -42,6 +48,10 @@ RUNNING, WAITING, KV_USAGE, FINISHED, PREEMPTIONS = "running", "waiting", "kv_us
 _LOW_SINCE = "iterserve_low_since"  # policy_state: when the fleet last started having headroom
 _STEPPING = "iterserve_stepping_down"  # policy_state: a removal happened since the last rise
 _HISTORY = "iterserve_demand"  # policy_state: recent (time, requests in the system), for the growth rate
+_LAST_UP = "iterserve_last_up"  # policy_state: when replicas were last added
+_ASK = "iterserve_ask"  # policy_state: (time, count) of the oldest ask not yet running
+_STARTUP = "iterserve_startup_s"  # policy_state: measured start-up seconds
+_TOO_SMALL = "iterserve_too_small"  # policy_state: (time, count, demand) of the last fleet that had to grow
 
 
 class QueueDepthPolicyConfig(BaseModel):
@@ -57,19 +67,39 @@ class QueueDepthPolicyConfig(BaseModel):
         2.0, gt=0, description="Expected queue wait (queued / measured completions per second) above "
         "which replicas are added for the arrival rate plus draining the queue.")
     queue_drain_s: float = Field(
-        60.0, gt=0, description="Time a grown queue should take to drain once replicas are added: "
-        "shorter buys more replicas for a backlog that is gone once they start.")
+        30.0, gt=0, description="Time a backlog should take to drain once replicas are added: shorter "
+        "buys more replicas for a backlog that is gone once they start. At least half of startup_s.")
+    startup_s: float = Field(
+        30.0, gt=0, description="Replica start-up time (ask to running) used until one is measured.")
+    warmup_s: float = Field(
+        0.0, ge=0, description="Seconds a running replica needs before it serves at full speed (added "
+        "to the measured start-up time).")
+    growth_lead: float = Field(
+        0.0, ge=0, description="Size for demand extrapolated at its current growth over this share of "
+        "the start-up time (0: off, purely reactive).")
     kv_high: float = Field(0.9, gt=0, le=1, description="KV usage at which a replica counts as full.")
     downscale_headroom: float = Field(
-        0.8, gt=0, le=1, description="Remove a replica only if demand stays under this share of the "
+        0.7, gt=0, le=1, description="Remove a replica only if demand stays under this share of the "
         "smaller fleet's capacity (the band between up and down stops oscillation).")
-    downscale_dwell_s: float = Field(60.0, ge=0, description="Headroom held this long before the first "
-                                     "removal after a rise.")
-    downscale_step_s: float = Field(5.0, ge=0, description="Headroom held this long before each further "
-                                    "removal (one replica each).")
+    downscale_dwell_s: float = Field(
+        60.0, ge=0, description="No removal this soon after an addition; also the headroom held before "
+        "the first removal after a rise (shorter the further load is below the headroom).")
+    downscale_step_s: float = Field(5.0, ge=0, description="Headroom held before each further removal "
+                                    "(one replica each; shorter the further load is below the headroom).")
+    reversal_guard_s: float = Field(
+        600.0, ge=0, description="After a fleet of N replicas had to grow, no removal back to N for this "
+        "long unless demand has halved since: near saturation, running sequences fall as replicas are added (faster steps), so a fleet "
+        "that looks roomy would be too small again one replica down.")
     scale_to_zero_dwell_s: float = Field(
         300.0, ge=0, description="No request at all for this long before the last replica leaves "
         "(only with min_replicas 0).")
+
+    @model_validator(mode="after")
+    def _drain_fits_startup(self) -> "QueueDepthPolicyConfig":
+        # A backlog drained much faster than replicas start buys replicas that arrive to an empty queue.
+        if self.queue_drain_s < self.startup_s / 2:
+            raise ValueError(f"queue_drain_s ({self.queue_drain_s}) must be >= startup_s / 2 ({self.startup_s / 2})")
+        return self
 
 
 def _rate(series) -> Optional[float]:
@@ -79,6 +109,10 @@ def _rate(series) -> Optional[float]:
     first, last = series[0], series[-1]
     span = last.timestamp - first.timestamp
     return max(0.0, last.value - first.value) / span if span >= 1.0 else None
+
+
+def _replicas_for(load: float, per_replica: float) -> int:
+    return math.ceil(load / per_replica - 1e-9)
 
 
 class QueueDepthPolicy:
@@ -95,6 +129,7 @@ class QueueDepthPolicy:
         target, ready = ctx.target_num_replicas, ctx.current_num_replicas
         lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
         starting = max(0, target - ready)
+        startup = self._startup(state, now, target, ready) + c.warmup_s
 
         metrics = ctx.aggregated_metrics or {}
         raw = ctx.raw_metrics or {}
@@ -112,32 +147,50 @@ class QueueDepthPolicy:
         capacity += starting * c.target_running
 
         desired = target
-        if in_flight > capacity:  # straight to the count that covers what runs now
-            desired = target + math.ceil((in_flight - capacity) / c.target_running - 1e-9)
+        # What runs now (or, with growth_lead, what will run by the time new replicas do) over capacity:
+        # straight to the count that covers it.
+        ahead = in_flight + c.growth_lead * max(0.0, growth) * startup
+        if ahead > capacity:
+            desired = target + _replicas_for(ahead - capacity, c.target_running)
         # Replicas with a measured completion rate (a replica that just started has none yet).
         measured = {r: x for r in ctx.running_replicas if (x := _rate(raw.get(FINISHED, {}).get(r))) is not None}
         completions = sum(measured.values())
         busy = sum(running.get(r, 0.0) for r in measured)
-        if queued > 0:
+        if queued > 0 and growth >= 0:  # a queue that shrinks is being drained: falling demand adds nothing
             if completions > 0 and busy > 0:
                 if queued / completions > c.max_queue_wait_s:
                     service_s = busy / completions  # Little's law, per request on a replica
-                    arrivals = completions + max(0.0, growth)
+                    arrivals = completions + growth
                     # Replicas that queue below target_running (long prompts, KV) run what they run.
                     per_replica = min(c.target_running, busy / len(measured))
-                    # The backlog is drained by the replicas on the way: only once none is starting
-                    # does a remaining backlog ask for more (else it grows the target every tick).
+                    # A burst's first decision sizes for the queue the replicas hold; while replicas
+                    # start, they drain it (else each tick would grow the target for the same backlog).
                     backlog = queued / c.queue_drain_s if starting == 0 else 0.0
                     need = (arrivals + backlog) * service_s / per_replica
-                    desired = max(desired, math.ceil(need - 1e-9))
+                    desired = max(desired, _replicas_for(need, 1.0))
             elif demand > capacity:  # nothing measured yet (a first burst): count the queue as load
-                desired = max(desired, target + math.ceil((demand - capacity) / c.target_running - 1e-9))
+                desired = max(desired, target + _replicas_for(demand - capacity, c.target_running))
 
+        if desired > target:
+            state[_LAST_UP], state[_TOO_SMALL] = now, (now, target, demand)
+            if state.get(_ASK) is None:
+                state[_ASK] = (now, min(desired, hi))
         if desired > target or queued > 0 or pressured:
             state[_LOW_SINCE], state[_STEPPING] = None, False
         else:
             desired = self._maybe_step_down(target, demand, lo, now, state)
         return max(lo, min(hi, desired)), state
+
+    def _startup(self, state: dict, now: float, target: int, ready: int) -> float:
+        """Start-up seconds: the configured value until an ask has been seen through to running."""
+        ask = state.get(_ASK)
+        if ask is not None:
+            asked_at, count = ask
+            if ready >= min(count, target):  # all asked for run (or the ask was cut back)
+                if ready >= count:
+                    state[_STARTUP] = now - asked_at
+                state[_ASK] = None
+        return state.get(_STARTUP) or self.cfg.startup_s
 
     @staticmethod
     def _growth(state: dict, now: float, demand: float, span_s: float = 5.0) -> float:
@@ -155,16 +208,26 @@ class QueueDepthPolicy:
         if smaller < lo:
             state[_LOW_SINCE] = None
             return target
-        fits = demand <= 0 if smaller == 0 else demand <= c.downscale_headroom * smaller * c.target_running
+        room = c.downscale_headroom * smaller * c.target_running
+        fits = demand <= 0 if smaller == 0 else demand <= room
         if not fits:
             state[_LOW_SINCE] = None
             return target
         since = state.get(_LOW_SINCE)
         if since is None:
             state[_LOW_SINCE] = since = now
-        dwell = c.downscale_step_s if state.get(_STEPPING) else c.downscale_dwell_s
         if smaller == 0:
             dwell = c.scale_to_zero_dwell_s
+        else:
+            # Load at the headroom waits the full time; a fleet far too big for its load steps faster.
+            dwell = (c.downscale_step_s if state.get(_STEPPING) else c.downscale_dwell_s) * demand / room
+        last_up = state.get(_LAST_UP)
+        if last_up is not None and now - last_up < c.downscale_dwell_s:
+            return target  # no removal right after an addition: that would be a reversal
+        too_small = state.get(_TOO_SMALL)
+        if (too_small is not None and smaller <= too_small[1] and now - too_small[0] < c.reversal_guard_s
+                and demand > 0.5 * too_small[2]):
+            return target  # back to a count that proved too small for about this load: it would reverse
         if now - since >= dwell:
             state[_LOW_SINCE], state[_STEPPING] = None, True  # the next removal re-checks on fresh metrics
             return smaller
@@ -177,4 +240,3 @@ def queue_depth_policy(ctx) -> Tuple[int, Dict[str, Any]]:
 
 
 _DEFAULT = QueueDepthPolicy()
-

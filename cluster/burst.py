@@ -31,7 +31,7 @@ def app_config(max_replicas: int) -> dict:
         "replica": {"num_cpus": 0, "max_ongoing_requests": 4, "max_queued_requests": -1},
         "ingress": {"num_cpus": 0},
         "autoscaling": {"min_replicas": 1, "max_replicas": max_replicas, "metrics_interval_s": 0.5,
-                        "policy_kwargs": {"target_running": 2, "max_queue_wait_s": 1.0,
+                        "policy_kwargs": {"target_running": 2, "max_queue_wait_s": 1.0, "startup_s": 10.0,
                                           "downscale_dwell_s": 5.0, "downscale_step_s": 2.0}},
     }
 

@@ -76,6 +76,9 @@ class Result:
     replica_seconds: float = 0.0
     requests: float = 0.0
     unfinished: float = 0.0
+    # Per second of arrival time: requests that arrived, and those whose first token missed the SLO.
+    arrived: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    missed: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def ttft_quantile(self, q: float) -> float:
         """TTFT at quantile q (the upper edge of the bin it falls in)."""
@@ -184,6 +187,7 @@ class FleetSim:
                 weight = per / len(TTFT_QUANTILES)
                 np.add.at(res.ttft_hist, np.minimum(np.searchsorted(TTFT_BINS, ttft), len(TTFT_BINS) - 1), weight)
                 res.within_slo += float(weight[ttft <= self.slo_s].sum())
+                res.missed[int(cohort[0])] += float(weight[ttft > self.slo_s].sum())
             take_total += take
             cohort[1] -= take
             if cohort[1] <= 1e-9:
@@ -259,6 +263,8 @@ class FleetSim:
         res = Result(name or (policy.name if policy else "schedule"))
         cfg = policy.config if policy else None
         record_every = min(cfg.look_back_period_s * 0.2, cfg.metrics_interval_s) if cfg else 1.0
+        res.arrived = np.zeros(int(self.trace.duration_s) + 2)
+        res.missed = np.zeros_like(res.arrived)
         target = initial
         self._scale_to(target, -self.startup_s)  # the initial fleet is up at t = 0
         self.ready_at[self._live()] = 0.0
@@ -288,9 +294,12 @@ class FleetSim:
                 next_control += self.control_period_s
             arrivals = float(self.rng.poisson(self.trace.rate(now + self.dt / 2) * self.dt))
             res.requests += arrivals
+            res.arrived[int(now + self.dt / 2)] += arrivals
             self._admit(now, res, arrivals)
             self._step()
             res.replica_seconds += np.count_nonzero(self.state != GONE) * self.dt
             now += self.dt
         res.unfinished = sum(c[1] for c in self.queue)
+        for t, n in self.queue:  # never served: missed
+            res.missed[int(t)] += n
         return res

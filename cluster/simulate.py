@@ -36,11 +36,15 @@ from deployments.config import AutoscalingConfig as AppAutoscaling
 TARGETS = {"slo_share": 0.99, "saving_vs_serve": 0.30, "x_clairvoyant": 1.2, "reversals_per_10min": 1.0}
 
 
-def policies(work: Workload, max_replicas: int, target_running: float) -> Dict[str, Policy]:
+def policies(work: Workload, max_replicas: int, target_running: float, startup_s: float,
+             growth_lead: float = 0.0) -> Dict[str, Policy]:
     from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
-    ours = AppAutoscaling(min_replicas=1, max_replicas=max_replicas,
-                          policy_kwargs={"target_running": target_running})
+    # The operator states the start-up time (the policy measures it after the first scale-up) and the
+    # drain time follows it (the config requires queue_drain_s >= startup_s / 2).
+    knobs = {"target_running": target_running, "startup_s": startup_s,
+             "queue_drain_s": max(30.0, startup_s / 2), "growth_lead": growth_lead}
+    ours = AppAutoscaling(min_replicas=1, max_replicas=max_replicas, policy_kwargs=knobs)
     serve = AppAutoscaling(min_replicas=1, max_replicas=max_replicas, policy=SERVE_POLICY_PATH,
                            target_ongoing_requests=target_running, metrics_interval_s=10.0)
     return {
@@ -88,10 +92,13 @@ def summary(res: Result, trace: Trace, slo_s: float) -> dict:
 
 
 def run_all(trace: Trace, work: Workload, startup_s: float, slo_s: float, max_replicas: int,
-            target_running: float, dt_s: float, seed: int, fill: float = 0.9) -> Dict[str, Result]:
+            target_running: float, dt_s: float, seed: int, fill: float = 0.9, growth_lead: float = 0.0,
+            names=("queue_depth", "serve_default", "clairvoyant")) -> Dict[str, Result]:
     out = {}
     sched = clairvoyant_schedule(trace, work, startup_s, max_replicas, fill)
-    for name, pol in policies(work, max_replicas, target_running).items():
+    for name, pol in policies(work, max_replicas, target_running, startup_s, growth_lead).items():
+        if name not in names:
+            continue
         out[name] = FleetSim(trace, work, startup_s, dt_s=dt_s, slo_s=slo_s, seed=seed).run(pol, initial=sched(0.0))
     out["clairvoyant"] = FleetSim(trace, work, startup_s, dt_s=dt_s, slo_s=slo_s, seed=seed).run(
         schedule=sched, initial=sched(0.0), name="clairvoyant")
@@ -141,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target-running", type=float, help="per-replica target (default 0.75 x max-num-seqs)")
     ap.add_argument("--max-replicas", type=int, default=1000)
     ap.add_argument("--clairvoyant-fill", type=float, default=0.9, help="clairvoyant's running / max_num_seqs")
+    ap.add_argument("--growth-lead", type=float, default=0.0,
+                    help="queue_depth's growth_lead (extrapolate demand over this share of start-up; 0: off)")
     ap.add_argument("--dt-s", type=float, default=0.25, help="simulation tick")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/autoscaling", help="directory for JSON and PNGs")
@@ -162,7 +171,7 @@ def main(argv=None) -> int:
     for startup in args.startup_s:
         t0 = time.time()
         results = run_all(trace, work, startup, args.slo_s, args.max_replicas, target_running, args.dt_s, args.seed,
-                          args.clairvoyant_fill)
+                          args.clairvoyant_fill, args.growth_lead)
         s = {name: summary(r, trace, args.slo_s) for name, r in results.items()}
         checks = check_targets(s)
         print(table(startup, s) + f"\n({time.time() - t0:.0f} s to simulate)")

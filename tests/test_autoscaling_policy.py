@@ -96,46 +96,124 @@ def test_kv_pressure_caps_a_replicas_capacity():
     assert n == 2
 
 
-def test_scale_down_one_at_a_time_after_a_dwell_and_only_with_headroom():
+def test_scale_down_one_at_a_time_with_waits_that_shrink_with_the_surplus():
     p = policy(downscale_dwell_s=60, downscale_step_s=5, downscale_headroom=0.8)
     state: dict = {}
-    # 5 replicas, 10 requests: 4 replicas would run at 25% -> headroom, but only after the dwell.
-    for t in (0, 30, 59):
+    # 5 replicas, 10 requests: 4 replicas would hold 32 at 80%; load is 10/32 of that, so the first
+    # removal waits 60 x 10/32 = 18.75 s of headroom.
+    for t in (0, 10, 18):
         n, state = p(ctx(5, running=[2] * 5, state=state, now=t))
         assert n == 5
-    n, state = p(ctx(5, running=[2] * 5, state=state, now=60))
+    n, state = p(ctx(5, running=[2] * 5, state=state, now=19))
     assert n == 4
-    # Each next removal waits for downscale_step_s of fresh headroom: one replica per step.
-    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=61))
+    # The next one waits downscale_step_s x 10/24 = 2.1 s of fresh headroom.
+    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=20))
+    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=22))
     assert n == 4
-    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=65))
-    assert n == 4
-    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=66))
+    n, state = p(ctx(4, running=[2.5] * 4, state=state, now=23))
     assert n == 3
-    # A rise in between: the full dwell again before the next removal.
-    n, state = p(ctx(3, running=[3.4] * 3, handle_queued=0.5, state=state, now=67))
-    n, state = p(ctx(3, running=[2] * 3, state=state, now=68))
-    n, state = p(ctx(3, running=[2] * 3, state=state, now=120))
-    assert n == 3
-    n, state = p(ctx(3, running=[2] * 3, state=state, now=128))
-    assert n == 2
+    # No load at all: no wait, yet still one replica per decision.
+    p = policy()
+    state = {}
+    for target in (10, 9, 8):
+        n, state = p(ctx(target, state=state, now=100))
+        assert n == target - 1
 
 
-def test_no_scale_down_without_headroom_and_a_rise_restarts_the_dwell():
+def test_load_at_the_headroom_waits_the_full_dwell():
+    p = policy(downscale_dwell_s=60, downscale_headroom=0.8)
+    state: dict = {}
+    for t in (0, 59):  # 32 requests = 80% of 4 replicas: right at the headroom
+        n, state = p(ctx(5, running=[6.4] * 5, state=state, now=t))
+        assert n == 5
+    n, state = p(ctx(5, running=[6.4] * 5, state=state, now=60))
+    assert n == 4
+
+
+def test_no_scale_down_without_headroom_and_a_queue_restarts_the_wait():
     p = policy(downscale_dwell_s=60, downscale_headroom=0.8)
     # 33 requests on 5 replicas: 4 would run at 82.5% > 80% -> stay.
     n, state = p(ctx(5, running=[6.6] * 5, now=0))
     n, state = p(ctx(5, running=[6.6] * 5, state=state, now=100))
     assert n == 5
-    # Headroom, then a queue appears before the dwell ends: the dwell starts over.
+    # Headroom (wait 60 x 10/32 = 18.75 s), then a queue appears before it ends: the wait starts over.
     n, state = p(ctx(5, running=[2] * 5, state=state, now=200))
-    n, state = p(ctx(5, running=[2] * 5, handle_queued=1, state=state, now=230))
-    n, state = p(ctx(5, running=[2] * 5, state=state, now=261))
-    assert n == 5
-    n, state = p(ctx(5, running=[2] * 5, state=state, now=320))
-    assert n == 5
-    n, state = p(ctx(5, running=[2] * 5, state=state, now=321))
+    n, state = p(ctx(5, running=[2] * 5, handle_queued=0.5, total=10.5, state=state, now=210))
+    for t in (211, 229):
+        n, state = p(ctx(5, running=[2] * 5, state=state, now=t))
+        assert n == 5
+    n, state = p(ctx(5, running=[2] * 5, state=state, now=230))
     assert n == 4
+
+
+def test_no_removal_shortly_after_an_addition():
+    # A burst adds replicas; the load is gone a moment later: no reversal within downscale_dwell_s.
+    p = policy(downscale_dwell_s=60)
+    n, state = p(ctx(2, running=[10, 10], handle_queued=75, now=0))
+    assert n == 10
+    for t in (1, 30, 59):
+        n, state = p(ctx(10, running=[0] * 10, state=state, now=t))
+        assert n == 10
+    n, state = p(ctx(10, running=[0] * 10, state=state, now=60))
+    assert n == 9
+
+
+def test_no_removal_back_to_a_count_that_had_to_grow():
+    # 4 replicas ran 42 (over their capacity of 40) and grew to 5; later 27 requests fit 4 at 70% (28),
+    # but 4 was too small for this load: no removal within reversal_guard_s unless demand halves (21).
+    p = policy(downscale_dwell_s=10, downscale_headroom=0.7, reversal_guard_s=600)
+    n, state = p(ctx(4, running=[10.5] * 4, now=0))
+    assert n == 5
+    for t in (100, 300, 599):
+        n, state = p(ctx(5, running=[5.4] * 5, state=state, now=t))
+        assert n == 5
+    n, state = p(ctx(5, running=[5.4] * 5, state=state, now=600))
+    assert n == 4
+    # Demand halved since the rise: the guard lets go at once.
+    n, state = p(ctx(4, running=[10.5] * 4, now=0))
+    n, state = p(ctx(5, running=[3.0] * 5, state=state, now=100))
+    n, state = p(ctx(5, running=[3.0] * 5, state=state, now=120))
+    assert n == 4
+
+
+def test_falling_demand_never_scales_up():
+    # A 5.5 s queue wait (11 per replica at 2 req/s) would add replicas, but the system held 40
+    # requests 5 s ago and 30 now: the queue drains, so nothing is added.
+    p = policy(max_queue_wait_s=2.0)
+    _, state = p(ctx(2, running=[4, 4], waiting=[16, 16], finished=[1.0, 1.0], now=0))
+    n, _ = p(ctx(2, running=[4, 4], waiting=[11, 11], finished=[1.0, 1.0], now=5, state=state))
+    assert n == 2
+    # The same queue, steady: replicas are added.
+    n, _ = p(ctx(2, running=[4, 4], waiting=[11, 11], finished=[1.0, 1.0], now=5))
+    assert n > 2
+
+
+def test_startup_is_measured_from_ask_to_running():
+    p = policy(startup_s=30.0)
+    n, state = p(ctx(2, running=[10, 10], handle_queued=75, now=100))
+    assert n == 10
+    _, state = p(ctx(10, ready=6, running=[10] * 6, handle_queued=35, state=state, now=120))
+    assert "iterserve_startup_s" not in state  # not all 10 run yet
+    _, state = p(ctx(10, ready=10, running=[9.5] * 10, state=state, now=145))
+    assert state["iterserve_startup_s"] == 45.0
+
+
+def test_growth_lead_sizes_for_demand_a_start_up_ahead():
+    # 18 of 20 running and growing 1 req/s: reactive keeps 2 replicas; growth_lead 1 sizes for
+    # 18 + 1 x 30 s = 48 -> 5 replicas.
+    for lead, expect in ((0.0, 2), (1.0, 5)):
+        p = policy(growth_lead=lead, startup_s=30.0)
+        _, state = p(ctx(2, running=[6.5, 6.5], now=0))
+        n, _ = p(ctx(2, running=[9, 9], now=5, state=state))
+        assert n == expect
+
+
+def test_queue_drain_must_cover_half_the_startup():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="queue_drain_s"):
+        QueueDepthPolicy(startup_s=120.0, queue_drain_s=30.0)
+    QueueDepthPolicy(startup_s=120.0, queue_drain_s=60.0)
 
 
 def test_steady_load_inside_the_band_never_moves():
@@ -204,6 +282,10 @@ def test_unknown_policy_knob_fails_the_deploy():
 
     with pytest.raises(ConfigError, match="target_runing"):
         build_app({"autoscaling": {"policy_kwargs": {"target_runing": 3}}})
+    with pytest.raises(ConfigError, match="queue_drain_s"):
+        build_app({"autoscaling": {"policy_kwargs": {"startup_s": 300, "queue_drain_s": 30}}})
+    with pytest.raises(ConfigError, match="growth_lead"):
+        build_app({"autoscaling": {"policy_kwargs": {"growth_lead": -1}}})
 
 
 def test_graceful_window_sized_from_max_model_len():

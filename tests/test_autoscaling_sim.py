@@ -19,7 +19,8 @@ def trace():
     # 10 min at 200 req/s, a 3x step within 10 s held 10 min, back to 200 for 20 min.
     t = np.array([0, 600, 610, 1200, 1210, 2400.0])
     rate = np.array([200, 200, 600, 600, 200, 200.0])
-    return Trace(t, rate, "step", steady=[(120.0, 600.0), (1800.0, 2400.0)])
+    # Steady spans start once the fleet has settled from the run's start (its first minutes size it).
+    return Trace(t, rate, "step", steady=[(300.0, 600.0), (1800.0, 2400.0)])
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +82,27 @@ def test_cli_writes_json_and_a_png_per_policy(tmp_path):
     assert {t["target"] for t in run["targets"]} and all(isinstance(t["met"], bool) for t in run["targets"])
     for png in run["plots"]:
         assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_breakdown_phases_and_attribution(runs, trace):
+    from cluster.breakdown import PHASES, attribute, phases
+
+    phase = phases(trace, STARTUP_S)
+    named = lambda t: PHASES[phase[t]]  # noqa: E731
+    assert named(300) == "steady" and named(630) == "rise" and named(1240) == "fall" and named(2000) == "steady"
+    assert named(1100) == "steady"  # the burst held longer than a start-up: no longer a rise
+    res, s = runs["queue_depth"]
+    parts = attribute(res, runs["clairvoyant"][0], phase)
+    missed = sum(p["missed"] for p in parts.values())
+    assert missed == pytest.approx(res.requests - res.within_slo, abs=2)
+    # Per second, a rise is where SLO misses come from (its backlog also spills into what follows).
+    per_s = {p: parts[p]["missed"] / max(parts[p]["seconds"], 1) for p in PHASES}
+    assert per_s["rise"] > 5 * per_s["steady"]
+
+
+def test_reactive_bound_buys_slo_with_headroom(trace):
+    from cluster.breakdown import reactive_bound
+
+    work = Workload()
+    lean, wide = (reactive_bound(trace, work, STARTUP_S, h, slo_s=1.0, dt_s=0.5, seed=1) for h in (1.0, 2.0))
+    assert wide.within_slo > lean.within_slo and wide.replica_seconds > 1.5 * lean.replica_seconds

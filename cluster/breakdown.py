@@ -1,0 +1,122 @@
+"""`python -m cluster.breakdown`: where a policy's SLO misses and extra replica-seconds come from, and
+what any purely reactive policy could achieve on the same trace.
+
+Phases, per second of the trace (the start-up time W is the horizon a reactive policy cannot see past):
+- rise: the rate grew more than `--band` (10%) within the last W seconds: the fleet asked for a
+  start-up ago is too small by construction;
+- fall: the rate dropped more than the band within the last W seconds;
+- steady: the rest.
+A missed request is counted in the phase of its arrival second; a replica-second over the
+clairvoyant's in the phase where it was billed.
+
+Reactive bound: a schedule that knows the current rate exactly (no forecast, no metric lag, no
+queue) and asks for `headroom` x the replicas that rate fills completely (1.33: 75% full, as
+the policy's target_running); replicas
+still take the start-up time to come. No reactive policy does better at that headroom, so the
+headroom that reaches the SLO target says what the target costs without foresight.
+
+Every figure is a simulation (cluster.fleet_sim).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Dict
+
+import numpy as np
+
+from cluster.fleet_sim import FleetSim, Result, Workload
+from cluster.simulate import clairvoyant_schedule, run_all
+from cluster.traces import Trace, day_trace, load_csv
+
+PHASES = ("rise", "steady", "fall")
+
+
+def phases(trace: Trace, startup_s: float, band: float = 0.1) -> np.ndarray:
+    """The phase index (into PHASES) of every second of the trace."""
+    t = np.arange(int(trace.duration_s) + 2, dtype=float)
+    now, before = trace.rate(t), trace.rate(np.maximum(0.0, t - startup_s))
+    # Highest and lowest rate over the last W seconds: a rise that then holds is still a rise until
+    # a whole start-up time has passed.
+    lo = np.array([trace.rate(np.linspace(max(0.0, x - startup_s), x, 7)).min() for x in t])
+    hi = np.array([trace.rate(np.linspace(max(0.0, x - startup_s), x, 7)).max() for x in t])
+    out = np.full(len(t), PHASES.index("steady"))
+    out[now > (1 + band) * np.maximum(lo, 1e-9)] = PHASES.index("rise")
+    out[(now < (1 - band) * hi) & (now <= before)] = PHASES.index("fall")
+    return out
+
+
+def attribute(res: Result, clairvoyant: Result, phase: np.ndarray) -> Dict[str, dict]:
+    """SLO misses and replica-seconds over the clairvoyant's, per phase."""
+    t = np.asarray(res.t, dtype=int)
+    extra = np.asarray(res.replicas, float) - np.asarray(clairvoyant.replicas, float)[: len(t)]
+    period = res.t[1] - res.t[0] if len(res.t) > 1 else 1.0
+    out = {}
+    for i, name in enumerate(PHASES):
+        here = phase[: len(res.arrived)] == i
+        out[name] = {
+            "seconds": int(here.sum()),
+            "requests": round(float(res.arrived[here].sum())),
+            "missed": round(float(res.missed[here].sum())),
+            "missed_share_of_all": float(res.missed[here].sum() / max(res.requests, 1e-9)),
+            "extra_replica_seconds": round(float(extra[phase[t] == i].sum() * period)),
+        }
+    return out
+
+
+def reactive_bound(trace: Trace, work: Workload, startup_s: float, headroom: float, slo_s: float,
+                   dt_s: float, seed: int, max_replicas: int = 1000) -> Result:
+    per_replica = work.throughput_rps(work.max_num_seqs)  # full replicas: headroom 1.33 = 75% full
+
+    def schedule(t: float) -> int:
+        return max(1, min(max_replicas, math.ceil(headroom * trace.rate(t) / per_replica)))
+    sim = FleetSim(trace, work, startup_s, dt_s=dt_s, slo_s=slo_s, seed=seed)
+    return sim.run(schedule=schedule, initial=schedule(0.0), name=f"reactive x{headroom:g}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", help="CSV with columns t_s,rate_rps (default: the built-in day, 4 h)")
+    ap.add_argument("--peak-rps", type=float, default=3000.0)
+    ap.add_argument("--hours", type=float, default=4.0)
+    ap.add_argument("--startup-s", type=float, default=60.0)
+    ap.add_argument("--slo-s", type=float, default=1.0)
+    ap.add_argument("--headroom", type=float, nargs="*", default=[1.0, 1.33, 2.0],
+                    help="standing headroom of the reactive bound (none: skip it)")
+    ap.add_argument("--band", type=float, default=0.1, help="rate change within a start-up that makes a rise/fall")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--dt-s", type=float, default=0.25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/autoscaling/breakdown.json")
+    args = ap.parse_args(argv)
+
+    trace = load_csv(args.trace) if args.trace else day_trace(args.peak_rps, args.hours)
+    work = Workload("h100-llama3-8b", args.max_num_seqs)
+    runs = run_all(trace, work, args.startup_s, args.slo_s, 1000, 0.75 * args.max_num_seqs, args.dt_s,
+                   args.seed, names=("queue_depth",))
+    clair = runs["clairvoyant"]
+    for h in args.headroom:
+        runs[f"reactive x{h:g}"] = reactive_bound(trace, work, args.startup_s, h, args.slo_s, args.dt_s, args.seed)
+    phase = phases(trace, args.startup_s, args.band)
+    report = {"trace": trace.name, "startup_s": args.startup_s, "slo_s": args.slo_s, "policies": {}}
+    print(f"start-up {args.startup_s:.0f} s, SLO {args.slo_s} s; phases (s): "
+          + ", ".join(f"{p} {int((phase == i).sum())}" for i, p in enumerate(PHASES)))
+    print(f"{'policy':<14} {'x clairv':>8} {'in SLO':>7}  " + "  ".join(f"{p + ' missed / extra r-s':>28}" for p in PHASES))
+    for name, res in runs.items():
+        parts = attribute(res, clair, phase)
+        x = res.replica_seconds / clair.replica_seconds
+        share = res.within_slo / max(res.requests, 1e-9)
+        report["policies"][name] = {"x_clairvoyant": x, "slo_share": share, "phases": parts}
+        print(f"{name:<14} {x:>8.2f} {share:>7.2%}  " + "  ".join(
+            f"{parts[p]['missed_share_of_all']:>13.2%} / {parts[p]['extra_replica_seconds']:>10}" for p in PHASES))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
