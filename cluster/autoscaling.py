@@ -18,8 +18,11 @@ What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged 
                 the expected wait exceeds max_queue_wait_s and demand is not falling, enough replicas
                 for the arrival rate (completions + growth of the queue) plus draining a backlog within
                 queue_drain_s, at the measured service time (Little: running / completions per s).
-                Only a burst's first decision (no replica starting) asks for the backlog: the
-                replicas on the way drain what queues while they start
+                The backlog is the one the new replicas will find: the queue plus its growth until
+                they run, re-estimated each tick of the first queue_drain_s of a rise (replicas
+                asked later land after it is drained)
+    draining  : while the queue shrinks (replicas that just landed took it up), neither rule adds
+                replicas: they run full by design until it is gone
     lead      : growth_lead > 0 sizes for demand extrapolated over that share of the start-up time
     down      : one replica per decision, only when the fleet without it keeps headroom (requests under
                 downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure),
@@ -47,10 +50,11 @@ SERVE_POLICY_PATH = "ray.serve.autoscaling_policy:replica_queue_length_autoscali
 RUNNING, WAITING, KV_USAGE, FINISHED, PREEMPTIONS = "running", "waiting", "kv_usage", "finished", "preemptions"
 _LOW_SINCE = "iterserve_low_since"  # policy_state: when the fleet last started having headroom
 _STEPPING = "iterserve_stepping_down"  # policy_state: a removal happened since the last rise
-_HISTORY = "iterserve_demand"  # policy_state: recent (time, requests in the system), for the growth rate
+_HISTORY = "iterserve_demand"  # policy_state: recent (time, requests in the system, queued), for growth rates
 _LAST_UP = "iterserve_last_up"  # policy_state: when replicas were last added
 _ASK = "iterserve_ask"  # policy_state: (time, count) of the oldest ask not yet running
 _STARTUP = "iterserve_startup_s"  # policy_state: measured start-up seconds
+_RISE = "iterserve_rise"  # policy_state: when the replicas now starting were first asked for
 _TOO_SMALL = "iterserve_too_small"  # policy_state: (time, count, demand) of the last fleet that had to grow
 
 
@@ -138,7 +142,10 @@ class QueueDepthPolicy:
         in_flight = sum(running.values())
         # Handles see every request; the replicas' own reports are a floor (a caller without metrics).
         demand = max(ctx.total_num_requests or 0.0, in_flight + queued)
-        growth = self._growth(state, now, demand)
+        growth, queue_growth = self._growth(state, now, demand, queued)
+        # A queue that shrinks is being drained (new replicas took it up, or completions outpace
+        # arrivals): replicas run full by design until it is gone, and neither rule below adds any.
+        draining = queued > 0 and queue_growth < 0
 
         pressured = {r for r in ctx.running_replicas
                      if kv.get(r, 0.0) >= c.kv_high or (_rate(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0}
@@ -150,22 +157,27 @@ class QueueDepthPolicy:
         # What runs now (or, with growth_lead, what will run by the time new replicas do) over capacity:
         # straight to the count that covers it.
         ahead = in_flight + c.growth_lead * max(0.0, growth) * startup
-        if ahead > capacity:
+        if ahead > capacity and not draining:
             desired = target + _replicas_for(ahead - capacity, c.target_running)
         # Replicas with a measured completion rate (a replica that just started has none yet).
         measured = {r: x for r in ctx.running_replicas if (x := _rate(raw.get(FINISHED, {}).get(r))) is not None}
         completions = sum(measured.values())
         busy = sum(running.get(r, 0.0) for r in measured)
-        if queued > 0 and growth >= 0:  # a queue that shrinks is being drained: falling demand adds nothing
+        if queued > 0 and growth >= 0 and not draining:  # falling demand adds nothing
             if completions > 0 and busy > 0:
                 if queued / completions > c.max_queue_wait_s:
                     service_s = busy / completions  # Little's law, per request on a replica
                     arrivals = completions + growth
                     # Replicas that queue below target_running (long prompts, KV) run what they run.
                     per_replica = min(c.target_running, busy / len(measured))
-                    # A burst's first decision sizes for the queue the replicas hold; while replicas
-                    # start, they drain it (else each tick would grow the target for the same backlog).
-                    backlog = queued / c.queue_drain_s if starting == 0 else 0.0
+                    # The backlog to drain is the one there will be when the replicas asked for run:
+                    # today's queue plus its growth until then (re-estimated every tick, not added
+                    # up). Replicas asked later than queue_drain_s into a rise land after the first
+                    # ones have drained it: they are asked for the arrival rate only.
+                    rise = state.get(_RISE) if starting else None
+                    since = now - rise if rise is not None else 0.0
+                    backlog = ((queued + queue_growth * max(0.0, startup - since)) / c.queue_drain_s
+                               if since < c.queue_drain_s else 0.0)
                     need = (arrivals + backlog) * service_s / per_replica
                     desired = max(desired, _replicas_for(need, 1.0))
             elif demand > capacity:  # nothing measured yet (a first burst): count the queue as load
@@ -173,6 +185,8 @@ class QueueDepthPolicy:
 
         if desired > target:
             state[_LAST_UP], state[_TOO_SMALL] = now, (now, target, demand)
+            if not starting:
+                state[_RISE] = now
             if state.get(_ASK) is None:
                 state[_ASK] = (now, min(desired, hi))
         if desired > target or queued > 0 or pressured:
@@ -193,14 +207,14 @@ class QueueDepthPolicy:
         return state.get(_STARTUP) or self.cfg.startup_s
 
     @staticmethod
-    def _growth(state: dict, now: float, demand: float, span_s: float = 5.0) -> float:
-        """Requests per second the system gained over the last ~span_s (queue growth = arrivals
-        beyond what completes)."""
-        history = [h for h in state.get(_HISTORY, []) if now - h[0] <= 2 * span_s] + [(now, demand)]
+    def _growth(state: dict, now: float, demand: float, queued: float, span_s: float = 5.0) -> Tuple[float, float]:
+        """Requests per second the system (arrivals beyond what completes) and the queue gained over
+        the last ~span_s."""
+        history = [h for h in state.get(_HISTORY, []) if now - h[0] <= 2 * span_s] + [(now, demand, queued)]
         state[_HISTORY] = history
         old = [h for h in history if now - h[0] >= span_s]
-        t0, d0 = old[-1] if old else history[0]
-        return (demand - d0) / (now - t0) if now > t0 else 0.0
+        t0, d0, q0 = old[-1] if old else history[0]
+        return ((demand - d0) / (now - t0), (queued - q0) / (now - t0)) if now > t0 else (0.0, 0.0)
 
     def _maybe_step_down(self, target: int, demand: float, lo: int, now: float, state: dict) -> int:
         c = self.cfg

@@ -76,12 +76,42 @@ def test_expected_queue_wait_from_measured_throughput_adds_replicas():
     p = policy(max_queue_wait_s=2.0, queue_drain_s=60.0)
     n, state = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[1.0, 1.0], now=0))
     assert n == 3
-    # The queue grows by 10 in 5 s: arrivals are 2 + 2 req/s -> (4 + 22 / 60) x 4 / 4 = 4.4 -> 5.
+    # The queue grows by 10 in 5 s: arrivals are 2 + 2 req/s, and new replicas (startup_s 30) will
+    # find the queue grown by 2 req/s x 30 s: (4 + (22 + 60) / 60) x 4 / 4 = 5.4 -> 6.
     n, _ = p(ctx(2, running=[4, 4], waiting=[11, 11], finished=[1.0, 1.0], now=5, state=state))
-    assert n == 5
+    assert n == 6
     # The same queue served fast (10 req/s per replica): 0.6 s wait, no replica added.
     n, _ = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[10.0, 10.0]))
     assert n == 2
+
+
+def test_a_draining_queue_adds_nothing_until_it_is_gone():
+    p = policy()
+    n, state = p(ctx(2, running=[8, 8], waiting=[6, 6], finished=[10.0, 10.0], now=0))
+    assert n == 2  # 16 running fit; the queue is a 0.6 s wait
+    # Replicas took up the queue (12 running each, over target) and it shrinks: they run full by
+    # design while it drains, so no replica is added for it...
+    n, state = p(ctx(2, running=[12, 12], waiting=[2, 2], finished=[10.0, 10.0], now=5, state=state))
+    assert n == 2
+    # ...and once it is gone, 24 running over a capacity of 20 is load: one more replica.
+    n, _ = p(ctx(2, running=[12, 12], finished=[10.0, 10.0], now=10, state=state))
+    assert n == 3
+
+
+def test_only_replicas_that_land_while_the_backlog_is_there_are_asked_for_it():
+    # Replicas that run 4 at 1 req/s each (as above).
+    p = policy(max_queue_wait_s=2.0, startup_s=60.0, queue_drain_s=30.0)
+    n, state = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[1.0, 1.0], now=0))
+    assert n == 3  # (2 req/s + 12 / 30 s) x 4 s / 4 = 2.4
+    # 5 s in, the queue grows 2 req/s: replicas asked now find 22 + 2 x 55 queued when they land.
+    n, state = p(ctx(3, ready=2, running=[4, 4], waiting=[11, 11], finished=[1.0, 1.0], now=5, state=state))
+    assert n == 9  # (4 + 132 / 30) x 4 / 4 = 8.4
+    # 40 s in (past queue_drain_s): a replica asked now lands after the first ones drained the
+    # backlog, so only the arrival rate counts ((4 + 0) x 4 / 4 = 4, under the 9 on the way), not
+    # the 200 queued ((4 + 240 / 30) x 4 / 4 = 12).
+    _, state = p(ctx(9, ready=2, running=[4, 4], waiting=[95, 95], finished=[1.0, 1.0], now=35, state=state))
+    n, _ = p(ctx(9, ready=2, running=[4, 4], waiting=[100, 100], finished=[1.0, 1.0], now=40, state=state))
+    assert n == 9
 
 
 def test_kv_pressure_caps_a_replicas_capacity():
