@@ -210,7 +210,9 @@ class QueueDepthPolicy:
     def _growth(state: dict, now: float, demand: float, queued: float, span_s: float = 5.0) -> Tuple[float, float]:
         """Requests per second the system (arrivals beyond what completes) and the queue gained over
         the last ~span_s."""
-        history = [h for h in state.get(_HISTORY, []) if now - h[0] <= 2 * span_s] + [(now, demand, queued)]
+        # (An entry of another shape is from an earlier version of this policy: dropped.)
+        history = [h for h in state.get(_HISTORY, []) if len(h) == 3 and now - h[0] <= 2 * span_s]
+        history.append((now, demand, queued))
         state[_HISTORY] = history
         old = [h for h in history if now - h[0] >= span_s]
         t0, d0, q0 = old[-1] if old else history[0]

@@ -45,9 +45,13 @@ REPLICA_HEADER = "x-iterserve-replica"
 
 def sessions(kind: str, users: int, turns: int, system_words: int, user_words: int, max_tokens: int,
              seed: int) -> List[BenchRequest]:
-    """One multi-turn chat per user: a system prompt, then its user turns, each sent after the last answer."""
-    rng = random.Random(seed)
-    systems = [f"System prompt {i}. " + text(rng, system_words) for i in range(4)]
+    """One multi-turn chat per user: a system prompt, then its user turns, each sent after the last answer.
+    The workloads run one after another on the same fleet: they share the four system prompts (warm,
+    as on a fleet in service) but each has its own users' turns, so no workload replays another's
+    conversations from the cache."""
+    systems_rng = random.Random(seed)
+    systems = [f"System prompt {i}. " + text(systems_rng, system_words) for i in range(4)]
+    rng = random.Random(f"{seed}:{kind}")
     out = []
     for u in range(users):
         if kind == "unique":
