@@ -22,10 +22,16 @@ class LLMRouterConfig(BaseModel):
     load_bound: float = Field(
         1.25, ge=1.0, description="No replica takes a request that would put it above this times the "
         "fleet's mean sequences per replica (bounded-load affinity), unless every replica is above it.")
+    load_window_s: float = Field(
+        30.0, ge=0.0, description="The load bound's fleet mean is the most sequences the fleet held within "
+        "this window, so a lull (users reading between turns, the end of a wave) does not push "
+        "conversations off the replicas that cache them (0: the count at the decision).")
     affinity_margin: float = Field(
-        1.0, ge=1.0, description="How much more expected wait than the best replica a replica holding the "
+        1.2, ge=1.0, description="How much more expected wait than the best replica a replica holding the "
         "request's longest cached prefix may have and still win, as a factor (1.0: the expected wait alone "
-        "decides; 1.5: the holder wins up to 1.5x the best replica's wait, keeping conversations together).")
+        "decides; 1.2: the holder wins up to 1.2x the best replica's wait). Waits are estimates from reports "
+        "up to a period old: without a margin, near-ties swap conversations between replicas, each swap a "
+        "recomputed conversation.")
     default_output_tokens: int = Field(
         128, ge=1, description="Expected answer length until answers have been seen (capped by max_tokens).")
     max_tracked_requests: int = Field(

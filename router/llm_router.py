@@ -66,6 +66,7 @@ class LLMRouter(RequestRouter):
         # Our request id -> (replica, its prompt's block hashes): the answer's blocks chain on from them.
         self._awaiting_answer: "OrderedDict[str, Tuple[ReplicaID, List[int], float]]" = OrderedDict()
         self._mean_output_tokens: Optional[float] = None
+        self._fleet_peaks: Deque[Tuple[float, float]] = deque()  # (time, fleet sequences), decreasing
         feedback.register(self)
 
     # ---- the decision ------------------------------------------------------------------------------
@@ -87,6 +88,9 @@ class LLMRouter(RequestRouter):
         # Count the request on its first choice now: a burst is routed by concurrent tasks before
         # Serve confirms any of them (on_request_routed), and each must see the ones before it.
         self._track(key, best.replica, prepared, best.cached_tokens)
+        # Its prefix too: the next requests of a burst that share it should follow it there, not
+        # spread it while Serve confirms (on_request_routed corrects the rare other choice).
+        self.index.insert(best.replica, prepared.hashes)
         ranked = [candidate_replicas[i] for i in ranking.order]
         return [[r] for r in ranked[:_TOP_RANKS]] + ([ranked[_TOP_RANKS:]] if len(ranked) > _TOP_RANKS else [])
 
@@ -103,7 +107,19 @@ class LLMRouter(RequestRouter):
         most = prepared.request.prompt_tokens - 1  # never the last token: the engine always computes it
         cached = np.minimum(np.fromiter((matched.get(rid, 0) for rid in rids), float, len(rids)) * bs, most)
         return score_replicas(self.step_model, self.shape, rids, loads, cached, prepared.request,
-                              cfg.load_bound, cfg.affinity_margin, self._rng)
+                              cfg.load_bound, cfg.affinity_margin, self._rng,
+                              fleet_sequences=self._recent_peak(now, float(loads.batch.sum())))
+
+    def _recent_peak(self, now: float, sequences: float) -> float:
+        """The most sequences the fleet held within the last `load_window_s` (this one included): a
+        deque of decreasing counts, so each decision costs O(1) amortized."""
+        peaks = self._fleet_peaks
+        while peaks and peaks[-1][1] <= sequences:
+            peaks.pop()
+        peaks.append((now, sequences))
+        while peaks[0][0] < now - self.config.load_window_s:
+            peaks.popleft()
+        return peaks[0][1]
 
     def load(self, rid: str, stats: Optional[dict]) -> Optional[Load]:
         """Replica `rid`'s load as of its report `stats` (None: no report), this router's requests applied."""

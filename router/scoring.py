@@ -217,14 +217,18 @@ class Ranking(Sequence):
 
 def score_replicas(step: StepTimeModel, shape: EngineShape, replicas: List[str], loads: FleetLoads,
                    cached_tokens: np.ndarray, request: Request, load_bound: float, affinity_margin: float,
-                   rng: np.random.Generator) -> Ranking:
+                   rng: np.random.Generator, fleet_sequences: Optional[float] = None) -> Ranking:
     """Every replica's score, best first: replicas with room in their KV cache first, then those
     within the load bound, then by expected seconds; ties (an idle fleet) broken at random.
 
     The bound is consistent hashing's "bounded loads" (Mirrokni et al., 2018) applied to affinity: a
-    replica may hold at most ceil(load_bound x (sequences in the fleet + 1) / replicas), so a hot
-    prefix cannot pile its traffic on its holder even where the step-time model finds it cheap
-    (batching many sequences costs little per step, but their tokens come slower).
+    replica may hold at most ceil(load_bound x mean) sequences, mean = (`fleet_sequences` + 1) /
+    replicas, so a hot prefix cannot pile its traffic on its holder even where the step-time model
+    finds it cheap (batching many sequences costs little per step, but their tokens come slower).
+    Unlike a cache miss in consistent hashing, a move here recomputes the whole conversation, so the
+    bound is loose where it would bite on counts alone: at least ceil(mean) + 1 (a mean of 1.5 would
+    allow 2), and `fleet_sequences` (default: the fleet's count now) is the recent peak the caller
+    keeps, not a lull's count.
 
     `affinity_margin` (>= 1): the replicas holding the longest cached prefix rank as if their
     expected seconds were that many times smaller, so a holder wins up to that factor of the best
@@ -232,7 +236,9 @@ def score_replicas(step: StepTimeModel, shape: EngineShape, replicas: List[str],
     uncached = request.prompt_tokens - cached_tokens
     seconds = expected_seconds(step, shape, loads, uncached, request)
     kv_full = loads.kv_free < np.ceil((uncached + 1) / shape.block_size)  # NaN (unknown): never full
-    capacity = math.ceil(load_bound * (loads.batch.sum() + 1) / max(1, len(replicas)))
+    total = loads.batch.sum() if fleet_sequences is None else max(fleet_sequences, loads.batch.sum())
+    mean = (total + 1) / max(1, len(replicas))
+    capacity = max(math.ceil(load_bound * mean), math.ceil(mean) + 1)
     over_bound = loads.batch + 1 > capacity
     key = seconds
     if affinity_margin != 1.0 and cached_tokens.max(initial=0) > 0:

@@ -25,8 +25,8 @@ def make_router(**kwargs):
 
     router = LLMRouter(deployment_id=DeploymentID(name="LLMServer", app_name="test"),
                        handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(block_size=BS, max_num_batched_tokens=2048, max_num_seqs=64,
-                            cost_model="h100-llama3-8b", **kwargs)
+    router.initialize_state(**{"block_size": BS, "max_num_batched_tokens": 2048, "max_num_seqs": 64,
+                               "cost_model": "h100-llama3-8b", **kwargs})
     return router
 
 
@@ -193,7 +193,7 @@ def test_affinity_margin_lets_a_somewhat_busier_holder_keep_the_conversation():
     now = time.time()
     reps = lambda: [replica("holder", now, running=12, context_tokens=12 * 600), replica("idle", now)]
     prompt = request(SYSTEM + [5, 6, 7])
-    plain = make_router(load_bound=10)  # the expected wait alone decides here
+    plain = make_router(load_bound=10, affinity_margin=1.0)  # the expected wait alone decides here
     plain.index.insert("holder", cacheable_block_hashes(SYSTEM + [1], BS))
     scores = plain.score(reps(), plain.prepare(prompt), now)
     assert scores[0].replica == "idle"
@@ -265,3 +265,54 @@ def test_a_burst_spreads_before_serve_confirms_any_request():
     assert sorted(firsts.count(n) for n in "abcd") == [2, 2, 2, 2], firsts
     router.on_request_completed(reps[0].replica_id, "burst0")  # completion uncounts it
     assert sum(len(v) for v in router._inflight.values()) == 7
+
+
+def test_a_burst_sharing_a_prefix_follows_its_first_request_before_serve_confirms_it():
+    """Four users of each of two system prompts arrive at once: each prompt's later users go where its
+    first one went (its prefix counts there from the decision on), so each prompt is computed on as
+    few replicas as the load allows, not on every replica."""
+    import asyncio
+
+    router, now = make_router(cost_model="cpu-smollm2"), time.time()
+    reps = [replica(n, now) for n in "abcd"]
+    systems = [list(range(1000, 1400)), list(range(3000, 3400))]
+
+    def pending(i):
+        ids = systems[i % 2] + list(range(10_000 + 10 * i, 10_000 + 10 * i + 8))
+        return SimpleNamespace(args=[request(ids, f"u{i}")], metadata=SimpleNamespace(internal_request_id=f"b{i}"))
+
+    async def burst():
+        return [(await router.choose_replicas(reps, pending(i)))[0][0].replica_id.unique_id for i in range(8)]
+
+    firsts = asyncio.run(burst())
+    holders = [{firsts[i] for i in range(8) if i % 2 == p} for p in (0, 1)]
+    assert all(len(h) <= 2 for h in holders), firsts  # without: every user to its own least loaded replica
+    assert max(firsts.count(n) for n in "abcd") <= 3, firsts  # ... and the load bound still spreads them
+
+
+def test_at_low_load_the_bound_leaves_a_conversation_where_it_is():
+    """One sequence in a 4-replica fleet: the bound ((1 + 1) / 4 x 1.25, rounded up: 1 per replica)
+    would push the next turn off its holder; it allows one more than the mean, so the turn stays."""
+    router, now = make_router(), time.time()
+    reps = [replica("holder", now, running=1, context_tokens=600)] + [replica(n, now) for n in "bcd"]
+    router.index.insert("holder", cacheable_block_hashes(SYSTEM + [1], BS))
+    best = router.score(reps, router.prepare(request(SYSTEM + [5, 6, 7])), now)[0]
+    assert best.replica == "holder" and not best.over_bound
+    # ... while a holder above both the ratio and the mean + 1 is over the bound.
+    reps[0] = replica("holder", now, running=3, context_tokens=1800)
+    assert router.score(reps, router.prepare(request(SYSTEM + [5, 6, 7])), now)[0].replica != "holder"
+
+
+@pytest.mark.parametrize("window_s, stays", [(30.0, True), (0.0, False)])
+def test_a_lull_does_not_push_a_conversation_off_its_holder(window_s, stays):
+    """16 sequences on 4 replicas a few seconds ago; now, at the end of a wave, 3 are left, all on
+    the holder of this conversation. Counted now, the bound (mean 1, at most 2) moves the turn, and
+    it recomputes the whole conversation elsewhere; counted over the window (mean 4), it stays."""
+    router, now = make_router(load_window_s=window_s), time.time()
+    busy = [replica(n, now - 5, running=4, context_tokens=4 * 600) for n in ("holder", "b", "c", "d")]
+    router.score(busy, router.prepare(request([1, 2, 3])), now - 5)
+    lull = [replica("holder", now, running=3, context_tokens=3 * 600)] + [replica(n, now) for n in "bcd"]
+    conversation = SYSTEM + list(range(2000, 3200))
+    router.index.insert("holder", cacheable_block_hashes(conversation, BS))
+    best = router.score(lull, router.prepare(request(conversation + [5, 6, 7])), now)[0]
+    assert (best.replica == "holder") == stays, best
