@@ -226,9 +226,9 @@ def score_replicas(step: StepTimeModel, shape: EngineShape, replicas: List[str],
     replicas, so a hot prefix cannot pile its traffic on its holder even where the step-time model
     finds it cheap (batching many sequences costs little per step, but their tokens come slower).
     Unlike a cache miss in consistent hashing, a move here recomputes the whole conversation, so the
-    bound is loose where it would bite on counts alone: at least ceil(mean) + 1 (a mean of 1.5 would
-    allow 2), and `fleet_sequences` (default: the fleet's count now) is the recent peak the caller
-    keeps, not a lull's count.
+    bound is loose where it would bite on counts alone: at least ceil(mean) + 1 (a mean of 1.5
+    allows 3, not ceil(1.25 x 1.5) = 2), and `fleet_sequences` (default: the fleet's count now) is
+    the recent peak the caller keeps, not a lull's count.
 
     `affinity_margin` (>= 1): the replicas holding the longest cached prefix rank as if their
     expected seconds were that many times smaller, so a holder wins up to that factor of the best
@@ -236,7 +236,7 @@ def score_replicas(step: StepTimeModel, shape: EngineShape, replicas: List[str],
     uncached = request.prompt_tokens - cached_tokens
     seconds = expected_seconds(step, shape, loads, uncached, request)
     kv_full = loads.kv_free < np.ceil((uncached + 1) / shape.block_size)  # NaN (unknown): never full
-    total = loads.batch.sum() if fleet_sequences is None else max(fleet_sequences, loads.batch.sum())
+    total = loads.batch.sum() if fleet_sequences is None else fleet_sequences
     mean = (total + 1) / max(1, len(replicas))
     capacity = max(math.ceil(load_bound * mean), math.ceil(mean) + 1)
     over_bound = loads.batch + 1 > capacity
