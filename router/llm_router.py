@@ -204,8 +204,8 @@ class LLMRouter(RequestRouter):
             cached = min(self.index.matched_blocks(prepared.hashes).get(rid, 0) * self.shape.block_size,
                          prepared.request.prompt_tokens - 1)
             self._track(key, rid, prepared, cached)
-        # The replica computes these blocks now: the next request sharing them should follow.
-        self.index.insert(rid, prepared.hashes)
+            # That replica computes these blocks (choose_replicas put them on the first choice).
+            self.index.insert(rid, prepared.hashes)
         if prepared.request_id:
             now = time.time()
             self._awaiting_answer[prepared.request_id] = (replica_id, prepared.hashes, now)
