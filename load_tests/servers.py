@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import yaml
 
@@ -58,23 +58,37 @@ def _process_group(cmd: List[str], url: str, log_path: Path, start_timeout_s: fl
 
 
 @contextlib.contextmanager
-def peer_server(model_dir: str, port: int, log_path: Path, start_timeout_s: float = 300.0) -> Iterator[str]:
-    """`transformers serve MODEL_DIR --continuous-batching` (fp32, CPU); yields its base URL."""
+def peer_server(model_dir: str, port: int, log_path: Path, start_timeout_s: float = 300.0,
+                threads: Optional[int] = None) -> Iterator[str]:
+    """`transformers serve MODEL_DIR --continuous-batching` (fp32, CPU); yields its base URL.
+    `threads`: its torch threads (OMP_NUM_THREADS); None: torch's default, every core."""
     exe = Path(sys.executable).parent / "transformers"
     cmd = [str(exe), "serve", model_dir, "--continuous-batching", "--device", "cpu", "--dtype", "float32",
            "--host", "127.0.0.1", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
-    with _process_group(cmd, url, log_path, start_timeout_s, signal.SIGTERM):
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    with _process_group(cmd, url, log_path, start_timeout_s, signal.SIGTERM, env=env):
         yield url
+
+
+def run_config(config_path: str, port: int, args_update: Optional[Dict[str, dict]] = None) -> dict:
+    """The serve config at `config_path` served on 127.0.0.1:`port`, with `args_update`'s sections
+    (e.g. {"engine": {"num_threads": 1}}) merged into the first application's args."""
+    config = yaml.safe_load(Path(config_path).read_text())
+    config.setdefault("http_options", {}).update({"host": "127.0.0.1", "port": port})
+    app_args = config["applications"][0].setdefault("args", {})
+    for section, values in (args_update or {}).items():
+        app_args.setdefault(section, {}).update(values)
+    return config
 
 
 @contextlib.contextmanager
 def serve_run(config_path: str, port: int, log_path: Path, start_timeout_s: float = 300.0,
-              extra_env: Optional[dict] = None) -> Iterator[str]:
+              extra_env: Optional[dict] = None, args_update: Optional[Dict[str, dict]] = None) -> Iterator[str]:
     """`serve run CONFIG` exactly as `make serve` runs it (its own local Ray cluster), on `port`
-    instead of the config's; yields the application's base URL. Stopped with Ctrl-C (SIGINT)."""
-    config = yaml.safe_load(Path(config_path).read_text())
-    config.setdefault("http_options", {}).update({"host": "127.0.0.1", "port": port})
+    instead of the config's (and with `args_update`, see run_config); yields the application's base
+    URL. Stopped with Ctrl-C (SIGINT)."""
+    config = run_config(config_path, port, args_update)
     copy = log_path.with_name(log_path.stem + ".serve_config.yaml")
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(yaml.safe_dump(config, sort_keys=False))

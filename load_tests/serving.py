@@ -50,6 +50,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/serving", help="JSON and server logs go here")
+    p.add_argument("--engine-threads", type=int, default=None,
+                   help="both engines on this many torch threads (iterserve: engine.num_threads and "
+                   "replica.num_cpus; the peer: OMP_NUM_THREADS); default: each as configured (2 here)")
     return p.parse_args(argv)
 
 
@@ -82,13 +85,15 @@ async def measure(target: Target, requests: Dict[str, List[BenchRequest]], timeo
 def run_system(name: str, args, requests) -> dict:
     out = Path(args.out)
     if name == "iterserve":
-        server = serve_run(args.config, free_port(), out / "iterserve.log", args.start_timeout_s)
+        threads = args.engine_threads
+        update = {"engine": {"num_threads": threads}, "replica": {"num_cpus": threads}} if threads else None
+        server = serve_run(args.config, free_port(), out / "iterserve.log", args.start_timeout_s, args_update=update)
         target_of = lambda url: Target(url)  # noqa: E731
     else:
         from batcher.model_loader import embedded_model_dir
 
         model_dir = args.model_dir or str(embedded_model_dir())
-        server = peer_server(model_dir, free_port(), out / "peer.log", args.start_timeout_s)
+        server = peer_server(model_dir, free_port(), out / "peer.log", args.start_timeout_s, args.engine_threads)
         target_of = lambda url: Target(url, model=model_dir, ignore_eos_as="generation_config")  # noqa: E731
     print(f"\n== {name}: starting...", flush=True)
     with server as url:
@@ -109,7 +114,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     requests = workload(args)
     expected = sum(r.max_tokens for r in requests["saturated"])
     print(f"workload: {args.num_requests} chat requests at t=0 ({expected} output tokens), then "
-          f"{args.light_requests} one at a time (<= {args.light_output} tokens); load avg {os.getloadavg()[0]:.1f}")
+          f"{args.light_requests} one at a time (<= {args.light_output} tokens); load avg {os.getloadavg()[0]:.1f}"
+          + (f"; both engines on {args.engine_threads} torch thread(s)" if args.engine_threads else ""))
     started = time.perf_counter()
     by_system = {name: run_system(name, args, requests) for name in systems}
     result = {

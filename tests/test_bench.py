@@ -54,6 +54,23 @@ def test_percentile_interpolates_like_numpy():
         assert percentile(xs, p) == pytest.approx(np.percentile(xs, p))
 
 
+def test_serving_bench_config_moves_the_port_and_sets_the_engine_threads():
+    from deployments.config import AppConfig
+    from load_tests.servers import run_config
+
+    plain = run_config("serve_config.yaml", 8123)
+    config = run_config("serve_config.yaml", 8123, {"engine": {"num_threads": 1}, "replica": {"num_cpus": 1}})
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    args, before = config["applications"][0]["args"], plain["applications"][0]["args"]
+    assert before["engine"]["num_threads"] == 2 and args["engine"]["num_threads"] == 1
+    assert args["replica"]["num_cpus"] == 1
+    # Only the named fields change; the rest is the user's config, still valid.
+    assert {k: v for k, v in args["engine"].items() if k != "num_threads"} == \
+        {k: v for k, v in before["engine"].items() if k != "num_threads"}
+    assert args["router"] == before["router"] and args["autoscaling"] == before["autoscaling"]
+    AppConfig(**args)
+
+
 # ---- against the tiny app (two replicas, real Ray Serve) -----------------------------------------
 
 def _close(a, b):
