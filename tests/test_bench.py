@@ -5,6 +5,7 @@ import asyncio
 import json
 import math
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,8 +59,9 @@ def test_serving_bench_config_moves_the_port_and_sets_the_engine_threads():
     from deployments.config import AppConfig
     from load_tests.servers import run_config
 
-    plain = run_config("serve_config.yaml", 8123)
-    config = run_config("serve_config.yaml", 8123, {"engine": {"num_threads": 1}, "replica": {"num_cpus": 1}})
+    path = str(Path(__file__).resolve().parent.parent / "serve_config.yaml")
+    plain = run_config(path, 8123)
+    config = run_config(path, 8123, {"engine": {"num_threads": 1}, "replica": {"num_cpus": 1}})
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}
     args, before = config["applications"][0]["args"], plain["applications"][0]["args"]
     assert before["engine"]["num_threads"] == 2 and args["engine"]["num_threads"] == 1
