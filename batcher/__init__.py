@@ -4,8 +4,10 @@ Public API (other packages depend on these names):
 - EngineConfig, SamplingParams: pydantic settings.
 - LLMEngine(config).generate(prompts, params) -> list[Completion]: blocking, offline.
 - AsyncLLMEngine(config): the step loop runs in its own thread;
-  `async for delta in engine.stream(prompt, params, request_id=...)` yields StreamDelta;
-  `await engine.generate(prompt, params)` -> Completion; engine.abort(request_id); engine.stats().
+  `async for delta in engine.stream(prompt, params, request_id=..., cache_salt=...)` yields StreamDelta;
+  `await engine.generate(prompt, params)` -> Completion; engine.abort(request_id);
+  engine.snapshot() / engine.stats(): the state the loop thread published after its last round.
+- block_hash: the prefix cache's SHA-256 block hashes (request routers hash with it too).
 """
 from batcher.config import EngineConfig
 from batcher.errors import EngineDeadError, EngineError, InvalidRequestError, RequestTooLongError

@@ -6,6 +6,8 @@ steps, and each step's deltas go back to the callers' event loops in one hop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -14,9 +16,11 @@ from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from batcher.config import EngineConfig
 from batcher.errors import EngineDeadError, EngineError, InvalidRequestError
-from batcher.llm_engine import LLMEngine, Prompt, Request
-from batcher.outputs import Completion, EngineStats, StreamDelta, completion_from_deltas, merge_deltas
+from batcher.llm_engine import EngineRequest, LLMEngine, Prompt
+from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completion_from_deltas, merge_deltas
 from batcher.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5
 # Default stall bound (EngineConfig.stall_timeout_s unset): generous against the slowest step seen,
@@ -36,6 +40,7 @@ class AsyncLLMEngine:
         self._stopped = False
         self._heartbeat = time.monotonic()  # last time the loop went round
         self._slowest_step_s = 0.0
+        self._snapshot: Optional[EngineSnapshot] = None  # replaced (never mutated) by the loop thread
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="iterserve-engine", daemon=True)
         self._thread.start()
@@ -53,6 +58,7 @@ class AsyncLLMEngine:
         # per calling thread, and a second team made 2-thread steps ~60% slower (measured).
         try:
             self.engine = LLMEngine(self.config)
+            self._snapshot = self.engine.snapshot()
         except BaseException as e:
             self._error = e
             return
@@ -68,12 +74,15 @@ class AsyncLLMEngine:
                 elif not deltas:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
+                self._snapshot = self.engine.snapshot()
                 self._dispatch(deltas)
                 self._heartbeat = time.monotonic()
         except BaseException as e:  # the replica must learn of it: check_health fails from now on
+            logger.exception("iterserve engine loop died; failing every open and new request")
+            # Set before the streams are walked: a stream registered after this walk sees it (_run_request).
             self._error = e
             for loop, q in list(self._streams.values()):
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {e!r}"))
+                loop.call_soon_threadsafe(q.put_nowait, self._dead_error())
 
     def _drain_inbox(self) -> List[StreamDelta]:
         deltas = []
@@ -110,26 +119,29 @@ class AsyncLLMEngine:
 
     # -- caller side --------------------------------------------------------------------------
     async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                     request_id: Optional[str] = None) -> AsyncIterator[StreamDelta]:
+                     request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> AsyncIterator[StreamDelta]:
         """Yields the request's deltas; tokens that piled up while the caller was busy come as one.
         Leaving the loop early (or being cancelled) aborts the request and frees its KV blocks."""
         self.check_health()
-        async for delta in self._run_request(self.engine.make_request(prompt, params, request_id)):
+        async for delta in self._run_request(self.engine.make_request(prompt, params, request_id, cache_salt)):
             yield delta
 
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> Completion:
+                       request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> Completion:
         self.check_health()
-        request = self.engine.make_request(prompt, params, request_id)
+        request = self.engine.make_request(prompt, params, request_id, cache_salt)
         deltas = [d async for d in self._run_request(request)]
         return completion_from_deltas(request.seq.prompt_token_ids, deltas)
 
-    async def _run_request(self, request: Request) -> AsyncIterator[StreamDelta]:
+    async def _run_request(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
         rid = request.seq.request_id
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
+        if self._error is not None:  # the loop died after check_health: nobody would ever answer
+            self._streams.pop(rid, None)
+            raise self._dead_error()
         self._send("add", request)
         finished, first = False, True
         try:
@@ -159,13 +171,15 @@ class AsyncLLMEngine:
         self._inbox.put((kind, item))
         self._wake.set()
 
-    def stats(self) -> EngineStats:
-        s = self.engine.stats()
-        s.loop_alive = self._thread.is_alive() and self._error is None
-        return s
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state as of its last round, published by the loop thread: any thread may
+        read it (the engine's own queues are the loop's alone)."""
+        return self._snapshot
 
-    def held_request_ids(self) -> List[str]:
-        return self.engine.held_request_ids()  # copies of the queues: safe beside the loop's thread
+    def stats(self) -> EngineStats:
+        snap = self._snapshot
+        return dataclasses.replace(snap.stats, seconds_since_last_step=time.monotonic() - snap.last_step_time,
+                                   loop_alive=self._thread.is_alive() and self._error is None)
 
     @property
     def stall_timeout_s(self) -> float:
@@ -177,11 +191,18 @@ class AsyncLLMEngine:
     def check_health(self) -> None:
         """Raises EngineDeadError when the loop died, or stopped stepping with work pending."""
         if self._error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"engine loop is not running: {self._error!r}")
+            raise self._dead_error()
         idle = time.monotonic() - self._heartbeat
-        if idle > self.stall_timeout_s and self.engine.has_unfinished():
+        stats = self._snapshot.stats
+        # Open streams count too: a request added just before the loop hung is in no snapshot yet.
+        if idle > self.stall_timeout_s and (self._streams or stats.waiting or stats.running):
             raise EngineDeadError(f"engine loop made no step for {idle:.1f}s with requests pending "
                                   f"(stall bound {self.stall_timeout_s:.1f}s)")
+
+    def _dead_error(self) -> EngineDeadError:
+        if self._error is not None:
+            return EngineDeadError(f"engine loop died: {self._error!r}")
+        return EngineDeadError("engine loop is not running (shut down)")
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -1,52 +1,27 @@
 """Paged KV block bookkeeping with prefix caching. Pure Python: no tensors, testable without a model.
 
 A block holds `block_size` consecutive tokens of one or more sequences. A full block is identified by
-the hash of (parent block's hash, its token ids), so equal prefixes map to equal blocks. Freed blocks
+its chained hash (batcher.block_hash: the prefix, the model and the request's cache salt), so equal
+prefixes of the same tenant map to equal blocks. Freed blocks
 keep their hash and stay reusable until a new allocation evicts them (least recently freed first).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence as Sequence_, Tuple
+from typing import Dict, List
 
+from batcher.block_hash import BlockHash, iter_block_hashes
 from batcher.sequence import Sequence
 
-_NO_HASH = -1
+_NO_HASH = b""
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int = _NO_HASH
-    token_ids: Tuple[int, ...] = ()  # kept with the hash to rule out collisions
-
-
-def chain_hash(parent_hash: int, token_ids: Tuple[int, ...]) -> int:
-    # Tuples of ints hash the same in every process (no hash seed), so routers can compute it too.
-    return hash((parent_hash, token_ids))
-
-
-def iter_block_hashes(token_ids: Sequence_[int], block_size: int, num_blocks: int,
-                      known: Sequence_[int] = ()) -> Iterator[Tuple[int, Tuple[int, ...]]]:
-    """(hash, token ids) of full blocks len(known)..num_blocks-1 of `token_ids`, chained on from
-    `known`, the hashes of its first blocks (already computed: a sequence's, a prompt's)."""
-    parent = known[-1] if known else _NO_HASH
-    for i in range(len(known), num_blocks):
-        chunk = tuple(token_ids[i * block_size:(i + 1) * block_size])
-        parent = chain_hash(parent, chunk)
-        yield parent, chunk
-
-
-def cacheable_block_hashes(token_ids: Sequence_[int], block_size: int, known: Sequence_[int] = ()) -> List[int]:
-    """Hashes of the blocks of `token_ids` a prefix-cache lookup can hit: the full blocks before the
-    last token (whose logits must be computed). Also what a finished sequence leaves cached: every
-    token but the last sampled one was computed. `known`: hashes of its first blocks, not recomputed
-    (a prompt's, when hashing prompt + answer)."""
-    num_blocks = (len(token_ids) - 1) // block_size
-    head = list(known[:num_blocks])
-    return head + [h for h, _ in iter_block_hashes(token_ids, block_size, num_blocks, head)]
+    hash: BlockHash = _NO_HASH  # SHA-256 of the whole prefix up to this block (batcher.block_hash)
 
 
 class BlockManager:
@@ -56,7 +31,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order: oldest freed first. Cached ones still sit in hash_to_block.
         self.free_blocks: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(num_blocks))
-        self.hash_to_block: Dict[int, int] = {}
+        self.hash_to_block: Dict[BlockHash, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -77,11 +52,11 @@ class BlockManager:
         (the step must compute it to get logits). Only for a sequence holding no blocks."""
         if not self.enable_prefix_caching:
             return []
-        tokens = seq.token_ids
         found: List[int] = []
-        for h, chunk in iter_block_hashes(tokens, self.block_size, (len(tokens) - 1) // self.block_size):
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        for h in iter_block_hashes(seq.token_ids, self.block_size, num_blocks, seq.cache_root):
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            if block_id is None:
                 break
             found.append(block_id)
         return found
@@ -92,12 +67,12 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         start = len(seq.block_hashes)
-        for i, (h, chunk) in enumerate(iter_block_hashes(seq.token_ids, self.block_size, num_full,
-                                                         seq.block_hashes), start):
+        for i, h in enumerate(iter_block_hashes(seq.token_ids, self.block_size, num_full, seq.cache_root,
+                                                seq.block_hashes), start):
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash == _NO_HASH and h not in self.hash_to_block:
-                block.hash, block.token_ids = h, chunk
+                block.hash = h
                 self.hash_to_block[h] = block.block_id
 
     # -- allocation ---------------------------------------------------------------------------
@@ -152,7 +127,7 @@ class BlockManager:
         if block.hash != _NO_HASH:  # evict the cached content
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = _NO_HASH, ()
+            block.hash = _NO_HASH
         block.ref_count = 1
         return block_id
 

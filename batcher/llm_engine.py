@@ -11,13 +11,14 @@ from typing import Dict, List, Optional, Sequence as Seq, Union
 import torch
 
 from batcher import simulated
+from batcher.block_hash import root_hash
 from batcher.block_manager import BlockManager
 from batcher.config import EngineConfig
 from batcher.detokenizer import IncrementalDetokenizer
 from batcher.errors import InvalidRequestError, RequestTooLongError
-from batcher.model_loader import load_model, load_tokenizer, resolve_device, resolve_dtype
+from batcher.model_loader import context_length, load_model, load_tokenizer, resolve_device, resolve_dtype
 from batcher.model_runner import ModelRunner
-from batcher.outputs import Completion, EngineStats, StreamDelta, TokenLogprob, completion_from_deltas
+from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, TokenLogprob, completion_from_deltas
 from batcher.paged_attention import KVCache
 from batcher.sampler import Sampler
 from batcher.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ Prompt = Union[str, List[int]]
 
 
 @dataclass(eq=False)
-class Request:
+class EngineRequest:
     """Engine-side state of one request beyond what the scheduler sees."""
 
     seq: Sequence
@@ -61,7 +62,7 @@ class LLMEngine:
         # The engine thread detokenizes while callers encode: give it its own tokenizer object.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
         self.vocab_size = mcfg.vocab_size
-        self.max_model_len = _max_model_len(config, mcfg)
+        self.max_model_len = context_length(mcfg, config.max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(mcfg)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -75,7 +76,7 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
             self.sampler = Sampler(config.seed)
-        self.requests: Dict[str, Request] = {}
+        self.requests: Dict[str, EngineRequest] = {}
         self.counters = EngineStats(kv_blocks_total=num_blocks)
         self.last_step_time = time.monotonic()
         self.trace = OccupancyTrace(config.trace_steps) if config.trace_steps else None
@@ -102,9 +103,12 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                     request_id: Optional[str] = None) -> Request:
-        """Validates and tokenizes; touches no engine state, so any thread may call it."""
+                     request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> EngineRequest:
+        """Validates and tokenizes; touches no engine state, so any thread may call it. Requests
+        with different `cache_salt`s never share prefix-cache blocks (batcher.block_hash)."""
         params = params or SamplingParams()
+        if cache_salt is not None and not cache_salt:
+            raise InvalidRequestError("cache_salt must be a non-empty string when given")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
@@ -122,11 +126,11 @@ class LLMEngine:
         if needed > self.kv_capacity_tokens:
             raise RequestTooLongError("the KV cache capacity", needed, self.kv_capacity_tokens,
                                       f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
-        seq = Sequence(request_id or uuid.uuid4().hex, ids, params)
-        return Request(seq, IncrementalDetokenizer(self._detok_tokenizer, params.stop),
+        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, cache_root=root_hash(self.model_name, cache_salt))
+        return EngineRequest(seq, IncrementalDetokenizer(self._detok_tokenizer, params.stop),
                        [] if params.logprobs is not None else None)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: EngineRequest) -> None:
         rid = request.seq.request_id
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
@@ -197,7 +201,7 @@ class LLMEngine:
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
 
-    def _stop_reason(self, request: Request, token: int) -> Optional[str]:
+    def _stop_reason(self, request: EngineRequest, token: int) -> Optional[str]:
         seq, p = request.seq, request.seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
@@ -207,13 +211,13 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: EngineRequest, reason: str) -> None:
         self.scheduler.finish(request.seq, reason)
         self.sampler.forget(request.seq.request_id)
         del self.requests[request.seq.request_id]
         self.counters.finished_requests += reason != "abort"
 
-    def _delta(self, request: Request) -> StreamDelta:
+    def _delta(self, request: EngineRequest) -> StreamDelta:
         seq = request.seq
         new = seq.output_token_ids[request.num_sent:]
         logprobs = request.logprobs[request.num_sent:] if request.logprobs is not None else None
@@ -246,9 +250,10 @@ class LLMEngine:
 
     def held_request_ids(self) -> List[str]:
         """Ids of the requests waiting or running (request routers match them against their own)."""
-        return [q.request_id for queue in (list(self.scheduler.waiting), list(self.scheduler.running)) for q in queue]
+        return [q.request_id for queue in (self.scheduler.waiting, self.scheduler.running) for q in queue]
 
     def stats(self) -> EngineStats:
+        """Counters and queue state now. Engine-thread only: other threads read snapshot()'s copy."""
         s = copy.copy(self.counters)
         s.waiting, s.running = len(self.scheduler.waiting), len(self.scheduler.running)
         s.preemptions = self.scheduler.num_preemptions
@@ -264,16 +269,8 @@ class LLMEngine:
         s.simulation = self.simulation.name if self.simulation else ""
         return s
 
-
-def _max_model_len(config: EngineConfig, mcfg) -> int:
-    limit = mcfg.max_position_embeddings
-    # Attention here is full; within a sliding window, full and windowed attention agree.
-    window = getattr(mcfg, "sliding_window", None)
-    if window and getattr(mcfg, "use_sliding_window", True):
-        limit = min(limit, window)
-    if config.max_model_len and config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds what the model supports ({limit})")
-    return config.max_model_len or limit
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(self.stats(), tuple(self.held_request_ids()), self.last_step_time)
 
 
 def _eos_ids(model, tokenizer) -> set:

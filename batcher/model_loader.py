@@ -12,9 +12,12 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 from filelock import FileLock
+
+from batcher import simulated
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-llama"
@@ -74,20 +77,25 @@ def _convert_embedded(target: Path) -> None:
     _log(f"embedded model ready in {target}")
 
 
-def tiny_llama(seed: int = 0):
-    """A small random Llama with the SmolLM2 tokenizer's vocabulary, identical for a given seed."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_config():
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
         initializer_range=0.3,  # wide enough that greedy outputs vary, so parity tests mean something
     )
+
+
+def tiny_llama(seed: int = 0):
+    """A small random Llama with the SmolLM2 tokenizer's vocabulary, identical for a given seed."""
+    from transformers import LlamaForCausalLM
+
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(tiny_llama_config())
     finally:
         torch.random.set_rng_state(generator_state)
     return model
@@ -113,6 +121,37 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(device=device, dtype=dtype).eval()
     return model, tokenizer
+
+
+def is_local_model(name: str) -> bool:
+    """Whether the model's files are on this node (no hub download): the embedded and test models,
+    simulations, and local directories."""
+    return name in (EMBEDDED_MODEL, TINY_MODEL) or simulated.is_simulated(name) or Path(name).is_dir()
+
+
+def model_config(name: str):
+    """The model's config without its weights: what its context length is read from."""
+    if simulated.is_simulated(name):
+        return simulated.SimulatedModelConfig(simulated.preset_for(name))
+    if name == TINY_MODEL:
+        return tiny_llama_config()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(embedded_model_dir()) if name == EMBEDDED_MODEL else name)
+
+
+def context_length(model_cfg, requested: Optional[int] = None) -> int:
+    """The engine's max_model_len: `requested`, or the model's context length; more than the model
+    supports is a ValueError. The one place this is decided (the engine, and the deploy's shutdown
+    window, which reads only the config)."""
+    limit = model_cfg.max_position_embeddings
+    # Attention here is full; within a sliding window, full and windowed attention agree.
+    window = getattr(model_cfg, "sliding_window", None)
+    if window and getattr(model_cfg, "use_sliding_window", True):
+        limit = min(limit, window)
+    if requested and requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds what the model supports ({limit})")
+    return requested or limit
 
 
 def resolve_device(device: str) -> torch.device:

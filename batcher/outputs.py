@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -72,6 +72,16 @@ class EngineStats:
         d = asdict(self)
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         return d
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine thread publishes after each round: callers on other threads read this,
+    never the scheduler's queues, which the engine thread mutates while they would walk them."""
+
+    stats: EngineStats
+    held_request_ids: Tuple[str, ...]  # waiting or running (request routers match them against their own)
+    last_step_time: float  # time.monotonic() of the last step
 
 
 def merge_deltas(first: StreamDelta, later: StreamDelta) -> StreamDelta:

@@ -24,8 +24,10 @@ class Sequence:
     # Tokens whose K/V sit in the cache. Reset to 0 on preemption (recompute).
     num_computed_tokens: int = 0
     block_table: List[int] = field(default_factory=list)
+    # Parent of the first block's hash: the model and the request's cache salt (batcher.block_hash).
+    cache_root: bytes = b""
     # Hashes of this sequence's full blocks, in order (prefix caching).
-    block_hashes: List[int] = field(default_factory=list)
+    block_hashes: List[bytes] = field(default_factory=list)
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission

@@ -110,8 +110,8 @@ def preset_for(model: str) -> SimPreset:
 class SimulatedModelConfig:
     """What the engine reads from a HF model config, for a simulated model."""
 
-    def __init__(self, preset: SimPreset, vocab_size: int):
-        self.vocab_size = vocab_size
+    def __init__(self, preset: SimPreset, vocab_size: Optional[int] = None):
+        self.vocab_size = vocab_size  # the tokenizer's: None where only the shapes are read
         self.max_position_embeddings = preset.max_model_len
         self.num_hidden_layers = preset.num_layers
         self.num_key_value_heads = preset.num_kv_heads

@@ -1,5 +1,8 @@
 """AsyncLLMEngine: streaming from the loop thread, abort on disconnect, errors, health."""
 import asyncio
+import collections
+import logging
+import threading
 import time
 
 import pytest
@@ -20,6 +23,14 @@ def engine():
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def wait_for(predicate, timeout_s: float = 30.0) -> None:
+    """Polls until `predicate()` holds; fails (never hangs) after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
 
 
 def test_concurrent_streams_equal_offline_greedy(engine):
@@ -45,8 +56,14 @@ def test_a_slow_reader_gets_the_first_token_alone_and_the_rest_merged(engine):
         stream = engine.stream([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)  # the request goes to the engine
-        time.sleep(0.5)  # the event loop is stuck while the engine's deltas pile up
+        # This event loop is stuck (a busy caller) until the engine has generated everything.
+        deadline = time.monotonic() + 30
+        while engine.stats().generated_tokens < before + 12:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         return [await first] + [d async for d in stream]
+
+    before = engine.stats().generated_tokens
 
     deltas = run(main())
     assert len(deltas[0].token_ids) == 1
@@ -60,10 +77,7 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine):
             break
         assert engine.stats().running == 1
         await stream.aclose()
-        for _ in range(100):  # the loop frees it within one step
-            if engine.stats().running == 0:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: engine.stats().running == 0)  # the loop frees it at its next round
 
     run(main())
     stats = engine.stats()
@@ -78,15 +92,11 @@ def test_cancelled_task_aborts(engine):
 
     async def main():
         task = asyncio.create_task(consume())
-        while engine.stats().running == 0:
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: engine.stats().running == 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if engine.stats().running == 0:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: engine.stats().running == 0)
 
     run(main())
     assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
@@ -125,9 +135,17 @@ def test_check_health_fails_when_the_loop_is_gone():
 
 
 def test_check_health_fails_while_the_loop_is_stuck_with_work():
-    """A loop blocked with a request in flight (a hung forward) fails the health check after the
-    stall bound; an idle loop, or one that steps again, passes."""
+    """A loop blocked with a request in flight (a hung forward) fails the health check once past the
+    stall bound, and passes again when it steps again; an idle loop that blocks is not stuck."""
     e = AsyncLLMEngine(CONFIG.model_copy(update={"stall_timeout_s": 0.5}))
+
+    def health_error():
+        try:
+            e.check_health()
+        except EngineDeadError as err:
+            return err
+        return None
+
     try:
         e.stall_for_tests(1.0)  # idle: no work pending, nothing is stuck
         time.sleep(1.2)
@@ -136,13 +154,12 @@ def test_check_health_fails_while_the_loop_is_stuck_with_work():
         async def stalled_stream():
             stream = e.stream([5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
             await stream.__anext__()  # the request is running in the engine
-            e.stall_for_tests(2.0)
-            await asyncio.sleep(0.2)
-            e.check_health()  # within the bound
-            await asyncio.sleep(0.8)
-            with pytest.raises(EngineDeadError, match="no step for .* with requests pending"):
-                e.check_health()
-            await asyncio.sleep(1.5)  # the stall is over: the loop steps again
+            steps = e.stats().steps
+            e.stall_for_tests(4.0)
+            await wait_for(lambda: health_error() is not None, timeout_s=3.5)  # within the stall
+            assert "with requests pending" in str(health_error())
+            assert e.stats().steps <= steps + 1  # it failed while the loop was indeed stuck
+            await wait_for(lambda: e.stats().steps > steps + 1)  # the stall is over: it steps again
             e.check_health()
             got = [d async for d in stream]
             assert got[-1].finish_reason == "length"
@@ -152,11 +169,6 @@ def test_check_health_fails_while_the_loop_is_stuck_with_work():
         e.shutdown()
 
 
-def test_default_stall_bound_is_generous_against_step_time(engine):
-    assert engine.config.stall_timeout_s is None
-    assert engine.stall_timeout_s >= 60.0  # tiny-llama's millisecond steps: the floor
-
-
 def test_a_model_that_fails_to_load_fails_the_constructor(tmp_path):
     """The model loads in the loop thread; its error still reaches the caller."""
     missing = EngineConfig(model=str(tmp_path / "no-such-model"))
@@ -164,3 +176,108 @@ def test_a_model_that_fails_to_load_fails_the_constructor(tmp_path):
         LLMEngine(missing)
     with pytest.raises(type(sync_error.value)):
         AsyncLLMEngine(missing)
+
+
+def _watched(base: type) -> type:
+    """A scheduler queue type that records which threads read it."""
+    class Watched(base):
+        readers: set
+
+        def __iter__(self):
+            self.readers.add(threading.current_thread().name)
+            return base.__iter__(self)
+
+        def __len__(self):
+            self.readers.add(threading.current_thread().name)
+            return base.__len__(self)
+    return Watched
+
+
+def test_callers_read_a_published_snapshot_never_the_engine_queues():
+    """stats() and snapshot() from the caller's thread while the loop admits and steps: only the
+    engine thread walks the scheduler's queues (a caller walking them meets 'deque mutated during
+    iteration' under contention)."""
+    e = AsyncLLMEngine(CONFIG)
+    try:
+        readers: set = set()
+        sched = e.engine.scheduler
+        waiting, running = _watched(collections.deque)(sched.waiting), _watched(list)(sched.running)
+        waiting.readers = running.readers = readers
+        sched.waiting, sched.running = waiting, running
+
+        async def one(i):
+            return [d async for d in e.stream([5 + i, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))]
+
+        async def main():
+            tasks = [asyncio.ensure_future(one(i)) for i in range(12)]
+            seen = []
+            while not all(t.done() for t in tasks):
+                seen.append((e.stats().running, e.snapshot().held_request_ids))
+                await asyncio.sleep(0)
+            await asyncio.gather(*tasks)
+            return seen
+
+        seen = run(main())
+        assert any(running > 0 and held for running, held in seen)  # the snapshot did follow the load
+        assert readers == {"iterserve-engine"}
+        final = e.stats()
+        assert final.running == final.waiting == 0 and final.finished_requests == 12
+    finally:
+        e.shutdown()
+
+
+def _fail_next_forward(e: AsyncLLMEngine) -> None:
+    def execute(*args, **kwargs):
+        raise RuntimeError("forward failed")
+    e.engine.runner.execute = execute  # fault injection: the loop thread's next step raises
+
+
+async def _drain(stream):
+    return [d async for d in stream]
+
+
+def test_a_dead_loop_is_logged_once_and_fails_open_streams_at_once(caplog):
+    e = AsyncLLMEngine(CONFIG)
+    try:
+        async def main():
+            stream = e.stream([5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+            await stream.__anext__()
+            _fail_next_forward(e)
+            with pytest.raises(EngineDeadError, match="forward failed"):
+                await asyncio.wait_for(_drain(stream), 10)
+            with pytest.raises(EngineDeadError, match="forward failed"):
+                await asyncio.wait_for(_drain(e.stream([7], SamplingParams(max_tokens=4))), 10)
+
+        with caplog.at_level(logging.ERROR, logger="batcher.async_engine"):
+            run(main())
+        died = [r for r in caplog.records if r.name == "batcher.async_engine"]
+        assert len(died) == 1 and died[0].exc_info and "forward failed" in str(died[0].exc_info[1])
+    finally:
+        e.shutdown()
+
+
+def test_a_stream_registered_just_after_the_loop_died_fails_at_once():
+    """The loop dies between the caller's health check and its stream's registration: the stream
+    must fail at once, not wait for the health check to replace the replica."""
+    e = AsyncLLMEngine(CONFIG)
+    try:
+        make_request = e.engine.make_request
+
+        def make_then_die(*args, **kwargs):
+            request = make_request(*args, **kwargs)
+            _fail_next_forward(e)
+            e.abort("nothing")  # wakes the loop: it steps nothing yet
+            e._send("add", make_request([9, 9], SamplingParams(max_tokens=2)))
+            e._thread.join(timeout=10)
+            assert not e._thread.is_alive()
+            return request
+
+        e.engine.make_request = make_then_die
+
+        async def main():
+            return await asyncio.wait_for(_drain(e.stream([5], SamplingParams(max_tokens=4))), 10)
+
+        with pytest.raises(EngineDeadError, match="forward failed"):
+            run(main())
+    finally:
+        e.shutdown()

@@ -1,11 +1,21 @@
-"""BlockManager without a model: allocation, sharing, eviction, freeing."""
+"""BlockManager without a model: allocation, sharing, eviction, freeing, the block hash."""
+import hashlib
+import random
+from array import array
+from collections import Counter
+
+import pytest
+
+from batcher.block_hash import cacheable_block_hashes, iter_block_hashes, root_hash
 from batcher.block_manager import BlockManager
 from batcher.sampling_params import SamplingParams
 from batcher.sequence import Sequence
 
+ROOT = root_hash("test-model")
 
-def seq(tokens, rid="r"):
-    return Sequence(rid, list(tokens), SamplingParams())
+
+def seq(tokens, rid="r", salt=None):
+    return Sequence(rid, list(tokens), SamplingParams(), cache_root=root_hash("test-model", salt))
 
 
 def compute(bm, s, n):
@@ -103,8 +113,6 @@ def test_prefix_caching_off_shares_nothing():
 def test_prompt_and_answer_hashes_continue_the_prompt_chain_as_the_engine_does():
     """What a router counts as cached after an answer: the prompt's hashes, continued over the
     answer with the same function, equal the blocks the engine registered for prompt + answer."""
-    from batcher.block_manager import cacheable_block_hashes
-
     bs, prompt, answer = 4, list(range(100, 118)), list(range(500, 511))
     bm = BlockManager(num_blocks=20, block_size=bs)
     s = seq(prompt)
@@ -114,11 +122,93 @@ def test_prompt_and_answer_hashes_continue_the_prompt_chain_as_the_engine_does()
         s.append_token(t)
         if t != answer[-1]:
             compute(bm, s, 1)
-    known = cacheable_block_hashes(prompt, bs)
-    chained = cacheable_block_hashes(prompt + answer, bs, known=known)
+    known = cacheable_block_hashes(prompt, bs, ROOT)
+    chained = cacheable_block_hashes(prompt + answer, bs, ROOT, known=known)
     assert chained[:len(known)] == known
-    assert chained == cacheable_block_hashes(prompt + answer, bs) == s.block_hashes
+    assert chained == cacheable_block_hashes(prompt + answer, bs, ROOT) == s.block_hashes
     # Turn two (prompt + answer + new turn) matches every one of those blocks in the engine's cache.
     bm.free(s)
     turn2 = seq(prompt + answer + [7, 8, 9], "t2")
     assert len(bm.match_prefix(turn2)) == len(chained)
+
+
+def test_block_hashes_are_sha256_of_the_parent_and_the_tokens():
+    tokens = list(range(12))
+    first = hashlib.sha256(ROOT + array("q", tokens[:4]).tobytes()).digest()
+    second = hashlib.sha256(first + array("q", tokens[4:8]).tobytes()).digest()
+    assert cacheable_block_hashes(tokens, 4, ROOT) == [first, second]
+    # Blocks that tuple-hash alike are told apart: hash((-1, (a,))) collisions cannot cross tenants.
+    assert root_hash("m") != root_hash("m", "") != root_hash("m", "s") != root_hash("n", "s")
+    assert root_hash("m", "a\0salt\0") != root_hash("m\0salt\0", "a")
+
+
+def test_a_cache_salt_keeps_tenants_apart():
+    """The same prompt under another salt (or none) matches nothing; the same salt matches."""
+    bm = BlockManager(num_blocks=20, block_size=4)
+    a = seq(range(13), "a", salt="tenant-a")
+    bm.admit(a, [])
+    compute(bm, a, 13)
+    assert bm.match_prefix(seq(range(13), "b", salt="tenant-b")) == []
+    assert bm.match_prefix(seq(range(13), "c")) == []
+    assert len(bm.match_prefix(seq(range(13), "d", salt="tenant-a"))) == 3
+
+
+def _check_invariants(bm: BlockManager, live: list) -> None:
+    refs = Counter(b for s in live for b in s.block_table)
+    for block in bm.blocks:
+        assert block.ref_count == refs[block.block_id], block
+        assert (block.ref_count == 0) == (block.block_id in bm.free_blocks)
+        if block.hash:
+            assert bm.hash_to_block[block.hash] == block.block_id
+    assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block.items())
+    assert len(bm.free_blocks) == bm.num_blocks - len(refs)
+    for s in live:
+        assert len(s.block_table) >= bm.blocks_needed(s.num_computed_tokens)
+        full = s.num_computed_tokens // bm.block_size
+        assert s.block_hashes == list(iter_block_hashes(s.token_ids, bm.block_size, full, s.cache_root))
+        for b, h in zip(s.block_table, s.block_hashes):  # a hashed block holds exactly that prefix
+            assert bm.blocks[b].hash in (h, b"")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_block_accounting_stays_consistent_under_random_operations(seed):
+    """Admit (with prefix hits), prefill in chunks, decode, preempt and finish in random order over
+    prompts that share prefixes: ref counts, the free list and the hash index stay consistent, and
+    everything comes back free at the end."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=rng.choice([12, 24, 48]), block_size=rng.choice([2, 4]))
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    live, waiting = [], []
+    for i in range(400):
+        op = rng.random()
+        if op < 0.2:  # a new request sharing a prefix, maybe under a salt
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
+            waiting.append(seq(tokens, f"r{i}", salt=rng.choice([None, None, "t"])))
+        elif op < 0.4 and waiting:  # admission, as the scheduler does it
+            s = waiting[0]
+            cached = bm.match_prefix(s)
+            if bm.can_admit(cached, s.num_tokens - len(cached) * bm.block_size, reserve=1):
+                bm.admit(s, cached)
+                live.append(waiting.pop(0))
+        elif op < 0.75 and live:  # a step: a prefill chunk, or a decode token
+            s = rng.choice(live)
+            left = s.num_tokens - s.num_computed_tokens
+            n = rng.randint(1, left) if left > 0 else 0
+            if n == 0:
+                s.append_token(rng.randrange(50))
+                n = 1
+            if bm.grow(s, n):
+                s.num_computed_tokens += n
+                bm.cache_full_blocks(s)
+            else:  # out of blocks: preempt it (recompute), as the scheduler would
+                bm.free(s)
+                live.remove(s)
+                waiting.insert(0, s)
+        elif live:  # finished or aborted
+            s = live.pop(rng.randrange(len(live)))
+            bm.free(s)
+        _check_invariants(bm, live)
+    for s in live:
+        bm.free(s)
+    _check_invariants(bm, [])
+    assert bm.num_free_blocks == bm.num_blocks
