@@ -14,9 +14,11 @@ import time
 from types import SimpleNamespace
 from typing import List, Optional, Sequence
 
-from batcher.block_manager import cacheable_block_hashes
-from deployments.protocol import GenerateRequest
-from router.scoring import Routed
+from batcher.block_hash import cacheable_block_hashes, root_hash
+from batcher.sampling_params import SamplingParams
+from deployments.protocol import PreparedRequest
+
+MODEL = "micro-model"  # the engine's model: the root of the block hashes
 
 
 def make_router(block_size: int = 8):
@@ -26,7 +28,7 @@ def make_router(block_size: int = 8):
 
     router = LLMRouter(deployment_id=DeploymentID(name="LLMServer", app_name="micro"),
                        handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(block_size=block_size, max_num_batched_tokens=2048, max_num_seqs=64,
+    router.initialize_state(model=MODEL, block_size=block_size, max_num_batched_tokens=2048, max_num_seqs=64,
                             cost_model="h100-llama3-8b")
     return router
 
@@ -34,7 +36,7 @@ def make_router(block_size: int = 8):
 def fake_fleet(router, replicas: int, prompt_tokens: int, seed: int = 0) -> List[SimpleNamespace]:
     from ray.serve._private.common import DeploymentID, ReplicaID
 
-    rng, now = random.Random(seed), time.time()
+    rng, now, root = random.Random(seed), time.time(), root_hash(MODEL)
     system = list(range(1000, 1000 + prompt_tokens // 2))
     fleet = []
     for i in range(replicas):
@@ -45,8 +47,11 @@ def fake_fleet(router, replicas: int, prompt_tokens: int, seed: int = 0) -> List
             "queued_prefill_tokens": rng.randrange(4096), "context_tokens": running * 1500,
             "kv_blocks_free": rng.randrange(50_000), "kv_blocks_total": 50_000}))
         for c in range(20):  # conversations this replica holds
-            router.index.insert(rid.unique_id, cacheable_block_hashes(system + [i, c] * (prompt_tokens // 4), 8))
-        router._inflight[rid.unique_id] = {f"{i}-{k}": Routed(now - rng.random(), 1500, 300) for k in range(8)}
+            router.index.insert(rid.unique_id, cacheable_block_hashes(system + [i, c] * (prompt_tokens // 4), 8, root))
+        for k in range(8):  # requests this router sent it, not confirmed yet (their prefixes claimed there)
+            ids = system + [i, 20 + k] * (prompt_tokens // 4)
+            hashed = router.prepare(PreparedRequest(f"{i}-{k}", ids, SamplingParams(max_tokens=128)))
+            router.ledger.chosen(f"{i}-{k}", rid.unique_id, hashed, prompt_tokens // 2, now - rng.random())
     return fleet
 
 
@@ -57,7 +62,7 @@ def time_decisions(replicas: int, prompt_tokens: int, decisions: int) -> dict:
     prep_s, score_s = [], []
     for d in range(decisions):
         ids = system + [d % replicas, d % 20] * (prompt_tokens // 4)
-        request = GenerateRequest(prompt=ids, prompt_token_ids=ids, max_tokens=128, request_id=str(d))
+        request = PreparedRequest(str(d), ids, SamplingParams(max_tokens=128))
         t0 = time.perf_counter()
         prepared = router.prepare(request)
         t1 = time.perf_counter()

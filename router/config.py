@@ -36,8 +36,9 @@ class LLMRouterConfig(BaseModel):
         128, ge=1, description="Expected answer length until answers have been seen (capped by max_tokens).")
     max_tracked_requests: int = Field(
         100_000, ge=1, description="Bound of the per-request bookkeeping (routed, awaiting answers).")
-    # The engine's shape: build_app fills these from `engine`, so the router hashes blocks exactly as
-    # the replicas cache them.
+    # The engine's model and shape: build_app fills these from `engine`, so the router hashes blocks
+    # exactly as the replicas cache them (the model names the hash chain's root: batcher.block_hash).
+    model: str = Field(description="The engine's model (`engine.model`), the root of the block hashes.")
     block_size: int = Field(8, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
     max_num_seqs: int = Field(64, ge=1)

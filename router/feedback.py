@@ -1,23 +1,46 @@
-"""Answers flowing back to the routers of this process, so a conversation follows its cache.
+"""Answers reported back to the router that routed them, so a conversation follows its cache.
 
-Serve tells a router only that a request completed, not what it produced. The caller that holds
-the answer (the ingress) reports it here, and every LLMRouter in the process that routed that
-request counts the answer's blocks as cached on its replica: turn n+1 of a chat then matches the
-blocks turn n computed there, not only turn n's prompt.
+Serve tells a request router that a request completed, not what it produced. The caller that holds
+the answer reports it through the handle it sent the request with:
+
+    feedback.record_answer(self.llm, request.request_id, request.prompt_token_ids, output_token_ids)
+
+and that handle's LLMRouter counts the answer's blocks as cached on the replica that computed it:
+turn n+1 of a chat then matches the blocks turn n computed there, not only turn n's prompt. Only
+that router hears of it (no registry of every router in the process), and a handle routed by
+another router class reports nothing.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Sequence
+from typing import Optional, Sequence
 
-_routers: "weakref.WeakSet" = weakref.WeakSet()
+from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import RequestRouter
 
-
-def register(router) -> None:
-    _routers.add(router)
+from router.llm_router import LLMRouter
 
 
-def record_answer(request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
-    """A request routed by this process finished with `output_token_ids` after `prompt_token_ids`."""
-    for router in list(_routers):
-        router.record_answer(request_id, prompt_token_ids, output_token_ids)
+def request_router_of(handle: DeploymentHandle) -> Optional[RequestRouter]:
+    """The RequestRouter routing `handle`'s calls (shared by its `.options()` and method copies);
+    None until the handle's first routing has built it.
+
+    Ray Serve (2.60) has no public accessor: a DeploymentHandle routes only through `.remote()` (its
+    private `_choose_replica` yields a replica, not the router). The narrowest path, all private:
+    `DeploymentHandle._router` (its Router wrapper, None until the handle is initialized) ->
+    `._asyncio_router` (the AsyncioRouter inside SingletonThreadRouter and CurrentLoopRouter alike) ->
+    `._request_router` (the RequestRouter it built on its own loop; the `request_router` property
+    would build one here instead, on the caller's thread). tests/test_router_serve.py checks that
+    it finds the router of a real deployment's handle."""
+    wrapper = getattr(handle, "_router", None)
+    return getattr(getattr(wrapper, "_asyncio_router", None), "_request_router", None)
+
+
+def record_answer(handle: DeploymentHandle, request_id: str, prompt_token_ids: Sequence[int],
+                  output_token_ids: Sequence[int]) -> bool:
+    """Request `request_id`, sent through `handle`, finished with `output_token_ids` after
+    `prompt_token_ids`. False if no LLMRouter routes `handle` (nothing to tell)."""
+    router = request_router_of(handle)
+    if not isinstance(router, LLMRouter):
+        return False
+    router.record_answer(request_id, prompt_token_ids, output_token_ids)
+    return True

@@ -1,16 +1,25 @@
-"""Which KV blocks each replica probably holds: a bounded, per-replica LRU of prefix block hashes.
+"""Which KV blocks each replica probably holds: a bounded, per-replica LRU of prefix block hashes,
+plus the blocks requests have claimed there but Serve has not confirmed yet.
 
-Hashes are the engine's own (batcher.block_manager.cacheable_block_hashes over the same token ids),
-so a match here is a match in the replica's prefix cache, as far as the router can know. A block
-hash chains its whole prefix, so a replica holding block i held blocks 0..i-1 when they were
-inserted; inserting deepest-first keeps the root most recent, so LRU eviction trims chains from the
-tail and the prefix property holds: a replica's match is the deepest of the request's blocks it
-holds, found for every replica at once by bisecting the request's chain.
+Hashes are the engine's own (batcher.block_hash over the same token ids and root), so a match here
+is a match in the replica's prefix cache, as far as the router can know. A block hash chains its
+whole prefix, so a replica holding block i held blocks 0..i-1 when they were inserted; inserting
+deepest-first keeps the root most recent, so LRU eviction trims chains from the tail and the prefix
+property holds: a replica's match is the deepest of the request's blocks it holds, found for every
+replica at once by bisecting the request's chain.
+
+A claim (`claim`/`release`) counts a chain on a replica while its request waits for Serve's
+confirmation: the next requests of a burst follow it there, and a claim released (Serve sent the
+request elsewhere) leaves nothing behind. Claims are counted per (replica, block), so releasing one
+request's claim keeps the blocks other requests claimed or that are cached there. Claimed blocks
+are whole chains too, so the prefix property holds for "cached or claimed".
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Set
+
+from batcher.block_hash import BlockHash
 
 
 class PrefixIndex:
@@ -18,8 +27,9 @@ class PrefixIndex:
         if max_blocks_per_replica < 1:
             raise ValueError("max_blocks_per_replica must be >= 1")
         self.max_blocks_per_replica = max_blocks_per_replica
-        self._blocks: Dict[Hashable, "OrderedDict[int, None]"] = {}  # per replica, LRU order
-        self._owners: Dict[int, Set[Hashable]] = {}  # block hash -> replicas holding it
+        self._blocks: Dict[Hashable, "OrderedDict[BlockHash, None]"] = {}  # per replica, LRU order
+        self._claims: Dict[Hashable, Dict[BlockHash, int]] = {}  # per replica: block -> pending claims
+        self._owners: Dict[BlockHash, Set[Hashable]] = {}  # block -> replicas caching or claiming it
         self._capacity: Dict[Hashable, int] = {}
 
     def set_capacity(self, replica: Hashable, kv_blocks: Optional[int]) -> None:
@@ -29,7 +39,7 @@ class PrefixIndex:
             self._capacity[replica] = cap
             self._evict(replica)
 
-    def insert(self, replica: Hashable, hashes: Sequence[int]) -> None:
+    def insert(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
         """Marks the chain `hashes` (root first) as cached on `replica`, most recently used."""
         blocks = self._blocks.setdefault(replica, OrderedDict())
         for h in reversed(hashes):  # the root ends up most recent: evicted last
@@ -40,16 +50,42 @@ class PrefixIndex:
                 self._owners.setdefault(h, set()).add(replica)
         self._evict(replica)
 
-    def matched_blocks(self, hashes: Sequence[int]) -> Dict[Hashable, int]:
-        """How many leading blocks of `hashes` each replica holds (replicas holding none: absent).
+    def claim(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
+        """One request's pending claim of the chain `hashes` on `replica` (undone by `release`)."""
+        claims = self._claims.setdefault(replica, {})
+        for h in hashes:
+            n = claims.get(h, 0)
+            claims[h] = n + 1
+            if n == 0:
+                self._owners.setdefault(h, set()).add(replica)
+
+    def release(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
+        """Undoes one `claim(replica, hashes)`; blocks cached or claimed by others stay."""
+        claims = self._claims.get(replica)
+        if claims is None:
+            return
+        cached = self._blocks.get(replica, {})
+        for h in hashes:
+            n = claims.get(h, 0)
+            if n > 1:
+                claims[h] = n - 1
+            elif n == 1:
+                del claims[h]
+                if h not in cached:
+                    self._disown(h, replica)
+        if not claims:
+            del self._claims[replica]
+
+    def matched_blocks(self, hashes: Sequence[BlockHash]) -> Dict[Hashable, int]:
+        """How many leading blocks of `hashes` each replica caches or claims (replicas with none: absent).
 
         By the prefix property the holders of block i include those of block i+1, so the holders'
         count only grows toward the root: bisecting on it finds the deepest depth where someone new
         holds the chain, then the next one above it. Cost: about log2(len(hashes)) lookups per
         distinct match depth, whatever the fleet size."""
         found: Dict[Hashable, int] = {}
-        top = len(hashes)
-        while top > 0 and len(found) < len(self._blocks):
+        top, holders = len(hashes), len(self._blocks.keys() | self._claims.keys())
+        while top > 0 and len(found) < holders:
             lo, hi = 0, top  # the deepest depth in [1, top] with more holders than found so far
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -66,26 +102,37 @@ class PrefixIndex:
 
     def remove_replicas(self, replicas: Iterable[Hashable]) -> None:
         for r in replicas:
-            for h in self._blocks.pop(r, ()):
+            owned = set(self._blocks.pop(r, ())) | set(self._claims.pop(r, ()))
+            for h in owned:
                 self._disown(h, r)
             self._capacity.pop(r, None)
 
     def replicas(self) -> List[Hashable]:
-        return list(self._blocks)
+        return list(self._blocks.keys() | self._claims.keys())
 
     def num_blocks(self, replica: Hashable) -> int:
+        """Blocks cached on `replica` (claims not included)."""
         return len(self._blocks.get(replica, ()))
+
+    def num_claimed(self, replica: Hashable) -> int:
+        """Distinct blocks with a pending claim on `replica`."""
+        return len(self._claims.get(replica, ()))
 
     def _evict(self, replica: Hashable) -> None:
         blocks = self._blocks.get(replica)
         if blocks is None:
             return
         cap = self._capacity.get(replica, self.max_blocks_per_replica)
+        claims = self._claims.get(replica, {})
         while len(blocks) > cap:
-            self._disown(blocks.popitem(last=False)[0], replica)
+            h = blocks.popitem(last=False)[0]
+            if h not in claims:  # a claimed block stays owned until its claim goes
+                self._disown(h, replica)
 
-    def _disown(self, h: int, replica: Hashable) -> None:
-        owners = self._owners[h]
+    def _disown(self, h: BlockHash, replica: Hashable) -> None:
+        owners = self._owners.get(h)
+        if owners is None:
+            return
         owners.discard(replica)
         if not owners:
             del self._owners[h]

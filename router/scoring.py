@@ -11,7 +11,7 @@ on), so the three terms are in one unit and comparable. There is no fleet-wide g
 "affinity" and "load": a hot prefix stops pinning its holder as soon as the holder's queue costs
 more than recomputing the prefix elsewhere, and the prefix then spreads on its own.
 
-Per replica the load is one row (`Load`), rebuilt only when its report or this router's requests
+Per replica the load is one row (`ReplicaLoad`), rebuilt only when its report or this router's requests
 on it change; a decision scores the whole fleet at once over those rows with numpy.
 Pure functions over plain data classes: unit-tested without Ray.
 """
@@ -71,7 +71,7 @@ class Routed:
 
 
 @dataclass
-class Load:
+class ReplicaLoad:
     queued_prefill_tokens: float
     batch: float  # sequences running or about to join the batch
     context_tokens: float
@@ -80,7 +80,7 @@ class Load:
 
 
 @dataclass(frozen=True)
-class Request:
+class RoutingRequest:
     prompt_tokens: int
     output_tokens: int  # expected decode length
 
@@ -95,7 +95,7 @@ def counted_in(report: Report, r: Routed) -> bool:
 
 
 def replica_load(report: Optional[Report], inflight: Iterable[Routed], completed: Iterable[Routed],
-                 block_size: int) -> Optional[Load]:
+                 block_size: int) -> Optional[ReplicaLoad]:
     """The report corrected by this router's own knowledge: requests in flight it does not count
     yet are added; requests it counts that have completed since are taken out (and only those: a
     completion a later report already reflects is not subtracted twice). None without a report."""
@@ -114,7 +114,7 @@ def replica_load(report: Optional[Report], inflight: Iterable[Routed], completed
             batch -= 1
             context -= r.prompt_tokens
             kv_free += -(-r.prompt_tokens // block_size)
-    return Load(queued, max(0, batch), max(0, context), kv_free, report.time_s)
+    return ReplicaLoad(queued, max(0, batch), max(0, context), kv_free, report.time_s)
 
 
 def prefill_rate(step: StepTimeModel, shape: EngineShape) -> float:
@@ -122,10 +122,10 @@ def prefill_rate(step: StepTimeModel, shape: EngineShape) -> float:
     return shape.max_num_batched_tokens / step.step_seconds(shape.max_num_batched_tokens, 0, 0)
 
 
-def own_load(inflight: Sequence[Routed], now: float, prefill_tokens_per_s: float) -> Load:
+def own_load(inflight: Sequence[Routed], now: float, prefill_tokens_per_s: float) -> ReplicaLoad:
     """What this router alone knows of a replica: its own in-flight requests, their prefill
     assumed done at the replica's rate since they were sent."""
-    return Load(
+    return ReplicaLoad(
         queued_prefill_tokens=sum(max(0.0, r.uncached_tokens - (now - r.routed_at) * prefill_tokens_per_s)
                                   for r in inflight),
         batch=len(inflight), context_tokens=sum(r.prompt_tokens for r in inflight), kv_blocks_free=None, time_s=now)
@@ -141,14 +141,14 @@ class FleetLoads:
     kv_free: np.ndarray  # NaN: unknown
 
     @classmethod
-    def of(cls, loads: Sequence[Load]) -> "FleetLoads":
+    def of(cls, loads: Sequence[ReplicaLoad]) -> "FleetLoads":
         return cls(*(np.array(c, dtype=float) for c in zip(*[
             (l.queued_prefill_tokens, l.batch, l.context_tokens,
              math.nan if l.kv_blocks_free is None else l.kv_blocks_free) for l in loads])))
 
 
 def fleet_loads(rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_per_s: float,
-                own: Callable[[int], Load]) -> FleetLoads:
+                own: Callable[[int], ReplicaLoad]) -> FleetLoads:
     """Columns from cached rows (time_s, queued, batch, context, kv_free; time_s = -inf: no report),
     the queued prefill decayed to `now`. A replica without a fresh report is assumed at least as
     loaded as the fleet's average known replica and as what this router sent it (`own(i)`), never idle."""
@@ -169,7 +169,7 @@ def fleet_loads(rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_p
 
 
 def expected_seconds(step: StepTimeModel, shape: EngineShape, loads: FleetLoads, uncached_tokens: np.ndarray,
-                     request: Request) -> np.ndarray:
+                     request: RoutingRequest) -> np.ndarray:
     """Expected time to the request's last token on each replica."""
     mns = shape.max_num_seqs
     in_batch = np.minimum(loads.batch, mns)
@@ -216,7 +216,7 @@ class Ranking(Sequence):
 
 
 def score_replicas(step: StepTimeModel, shape: EngineShape, replicas: List[str], loads: FleetLoads,
-                   cached_tokens: np.ndarray, request: Request, load_bound: float, affinity_margin: float,
+                   cached_tokens: np.ndarray, request: RoutingRequest, load_bound: float, affinity_margin: float,
                    rng: np.random.Generator, fleet_sequences: Optional[float] = None) -> Ranking:
     """Every replica's score, best first: replicas with room in their KV cache first, then those
     within the load bound, then by expected seconds; ties (an idle fleet) broken at random.

@@ -1,62 +1,23 @@
-"""LLMRouter's decision with fake replicas (no Ray cluster): affinity, load, staleness, bounds, turns."""
+"""LLMRouter's decision with fake replicas (no Ray cluster): affinity, load, staleness, bounds, bursts."""
 from __future__ import annotations
 
+import asyncio
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from batcher.block_manager import cacheable_block_hashes
 from batcher.simulated import PRESETS
-from deployments.protocol import GenerateRequest
-from router.index import PrefixIndex
-from router.scoring import Load, Report, Routed, fleet_loads, replica_load
+from router.scoring import ReplicaLoad, Report, Routed, fleet_loads, replica_load
+from tests.router_harness import BS, SYSTEM, blocks, make_router, pending, replica, request, serving  # noqa: F401
 
-BS = 8
-SYSTEM = list(range(1000, 1400))  # a 400-token shared system prompt
 H100 = PRESETS["h100-llama3-8b"]
-
-
-def make_router(**kwargs):
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-
-    from router.llm_router import LLMRouter
-
-    router = LLMRouter(deployment_id=DeploymentID(name="LLMServer", app_name="test"),
-                       handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(**{"block_size": BS, "max_num_batched_tokens": 2048, "max_num_seqs": 64,
-                               "cost_model": "h100-llama3-8b", **kwargs})
-    return router
-
-
-def replica(name: str, now: float, age_s: float = 0.1, **stats):
-    """A RunningReplica stand-in: an id and the routing stats LLMServer.record_routing_stats reports."""
-    from ray.serve._private.common import DeploymentID, ReplicaID
-
-    report = {"time_s": now - age_s, "waiting": 0, "running": 0, "queued_prefill_tokens": 0, "context_tokens": 0,
-              "kv_blocks_free": 10_000, "kv_blocks_total": 10_000, **stats}
-    return SimpleNamespace(replica_id=ReplicaID(unique_id=name, deployment_id=DeploymentID(name="LLMServer", app_name="test")),
-                           routing_stats=report)
-
-
-def request(ids, request_id="r", max_tokens=64):
-    return GenerateRequest(prompt=ids, prompt_token_ids=ids, max_tokens=max_tokens, request_id=request_id)
-
-
-def route(router, replicas, req, key):
-    """Scores, then tells the router where the request went (as Serve does after choose_replicas)."""
-    best = router.score(replicas, router.prepare(req))[0].replica
-    router._prepared[key] = router.prepare(req)
-    replica_id = next(r.replica_id for r in replicas if r.replica_id.unique_id == best)
-    router.on_request_routed(SimpleNamespace(metadata=SimpleNamespace(internal_request_id=key)), replica_id, None)
-    return best
 
 
 def test_affinity_wins_when_load_is_even():
     router, now = make_router(), time.time()
     reps = [replica(n, now, running=8, context_tokens=4000) for n in "abcd"]
-    router.index.insert(reps[2].replica_id.unique_id, cacheable_block_hashes(SYSTEM + [1], BS))
+    router.index.insert(reps[2].replica_id.unique_id, blocks(SYSTEM + [1]))
     scores = router.score(reps, router.prepare(request(SYSTEM + [5, 6, 7])), now)
     assert scores[0].replica == "c"
     assert scores[0].cached_tokens == 400 and all(s.cached_tokens == 0 for s in scores[1:])
@@ -66,22 +27,22 @@ def test_load_wins_when_the_holder_is_hot():
     router, now = make_router(), time.time()
     hot = replica("hot", now, running=64, waiting=30, queued_prefill_tokens=30 * 500, context_tokens=64 * 600)
     idle = replica("idle", now)
-    router.index.insert("hot", cacheable_block_hashes(SYSTEM + [1], BS))
+    router.index.insert("hot", blocks(SYSTEM + [1]))
     scores = router.score([hot, idle], router.prepare(request(SYSTEM + [5])), now)
     assert [s.replica for s in scores] == ["idle", "hot"]
     # ... and the margin is what it costs: the holder's queue far exceeds recomputing 400 tokens.
     assert scores[1].seconds - scores[0].seconds > 400 * H100.step.prefill_token_s
 
 
-def test_a_hot_prefix_spreads_instead_of_pinning_one_replica():
+def test_a_hot_prefix_spreads_instead_of_pinning_one_replica(serving):
     """Everyone shares one system prompt: the first holder takes requests until its queue costs more
     than recomputing the prefix elsewhere; then the prefix spreads and load stays even."""
     router, now = make_router(), time.time()
-    reps = [replica(n, now, age_s=0.01) for n in "abcd"]
-    chosen = [route(router, reps, request(SYSTEM + [i, i + 1], f"u{i}"), f"k{i}") for i in range(40)]
+    serve = serving(router, [replica(n, now, age_s=0.01) for n in "abcd"])
+    chosen = [serve.route(request(SYSTEM + [i, i + 1], f"u{i}"), f"k{i}") for i in range(40)]
     counts = {name: chosen.count(name) for name in "abcd"}
     assert max(counts.values()) <= 1.25 * (40 / 4) + 1, counts  # the load bound
-    held = router.index.matched_blocks(cacheable_block_hashes(SYSTEM + [0, 1], BS))
+    held = router.index.matched_blocks(blocks(SYSTEM + [0, 1]))
     assert held == {name: 50 for name in "abcd"}  # every replica now holds the prefix
 
 
@@ -89,25 +50,23 @@ def test_a_full_kv_cache_ranks_last_even_with_the_prefix():
     router, now = make_router(), time.time()
     full = replica("full", now, kv_blocks_free=3)
     busy = replica("busy", now, running=40, context_tokens=40 * 800)
-    router.index.insert("full", cacheable_block_hashes(SYSTEM + [1], BS))
+    router.index.insert("full", blocks(SYSTEM + [1]))
     scores = router.score([full, busy], router.prepare(request(SYSTEM + list(range(200)))), now)
     assert [s.replica for s in scores] == ["busy", "full"] and scores[1].kv_full
 
 
 def test_calls_that_are_not_generations_reach_every_replica_even_full_ones():
     """stats() has no prompt: no scoring, no tracking; any replica, so a poller reaches the busy ones."""
-    import asyncio
-
     router, now = make_router(), time.time()
     reps = [replica("full", now, kv_blocks_free=0)] + [replica(n, now) for n in "abc"]
-    stats_call = SimpleNamespace(args=(), metadata=SimpleNamespace(internal_request_id="s"))
+    stats_call = pending(None, "s")
     firsts = set()
     for _ in range(200):
         groups = asyncio.run(router.choose_replicas(reps, stats_call))
         assert sorted(g[0].replica_id.unique_id for g in groups) == ["a", "b", "c", "full"]
         firsts.add(groups[0][0].replica_id.unique_id)
-    assert firsts == {"a", "b", "c", "full"} and not router._tracked
-    generation = SimpleNamespace(args=(request(list(range(64))),), metadata=SimpleNamespace(internal_request_id="g"))
+    assert firsts == {"a", "b", "c", "full"} and router.ledger.num_requests() == 0
+    generation = pending(request(list(range(64))), "g")
     assert asyncio.run(router.choose_replicas(reps, generation))[-1] == [reps[0]]  # the full one ranks last
 
 
@@ -115,7 +74,7 @@ def test_stale_reports_count_as_unknown_not_idle():
     now = time.time()
     busy = (now, 3000, 40, 20_000, 100)
     rows = np.array([(now - 30, 0, 0, 0, 10_000), busy, busy], dtype=float)
-    filled = fleet_loads(rows, now, max_age_s=5, prefill_tokens_per_s=0, own=lambda i: Load(0, 0, 0, None))
+    filled = fleet_loads(rows, now, max_age_s=5, prefill_tokens_per_s=0, own=lambda i: ReplicaLoad(0, 0, 0, None))
     assert filled.batch[0] == 40 and filled.queued[0] == 3000  # the fleet's mean, not 0
     assert np.isnan(filled.kv_free[0])  # unknown, not the stale report's free blocks
     # With the router: an idle-looking stale replica does not attract the traffic.
@@ -139,21 +98,18 @@ def test_requests_routed_after_a_report_count_on_top_of_it():
     assert now_load.queued[0] == pytest.approx(90)
 
 
-def complete(router, reps, name, key):
-    router.on_request_completed(next(r.replica_id for r in reps if r.replica_id.unique_id == name), key)
-
-
-def test_a_completion_after_the_report_is_taken_out_once():
+def test_a_completion_after_the_report_is_taken_out_once(serving):
     """The report counts two requests; one completes after it: the replica has one. A later report
     that no longer counts it must not be corrected again (it would then look emptier than it is)."""
     router, now = make_router(), time.time()
     reps = [replica("a", now - 1, age_s=0)]
+    serve = serving(router, reps)
     for i in (1, 2):
-        route(router, reps, request(list(range(i * 100, i * 100 + 80)), f"t{i}"), f"k{i}")
+        serve.route(request(list(range(i * 100, i * 100 + 80)), f"t{i}"), f"k{i}")
     reps[0].routing_stats = {**reps[0].routing_stats, "time_s": time.time(), "running": 2, "context_tokens": 160,
                              "request_ids": ["t1", "t2"]}
     assert router.load("a", reps[0].routing_stats).batch == 2  # both counted once, not four times
-    complete(router, reps, "a", "k1")
+    serve.complete("k1", "a")
     # Scored as a replica that reports one running request, not two.
     twin = replica("b", reps[0].routing_stats["time_s"], age_s=0, running=1, context_tokens=80)
     ranking = router.score(reps + [twin], router.prepare(request(list(range(64)))))
@@ -165,28 +121,30 @@ def test_a_completion_after_the_report_is_taken_out_once():
     assert router.load("a", later).batch == 1
 
 
-def test_completions_are_matched_by_time_when_the_replica_lists_no_ids():
+def test_completions_are_matched_by_time_when_the_replica_lists_no_ids(serving):
     router, now = make_router(), time.time()
     reps = [replica("a", now - 1, age_s=0)]
-    route(router, reps, request(list(range(80)), "t1"), "k1")
+    serve = serving(router, reps)
+    serve.route(request(list(range(80)), "t1"), "k1")
     report = {**reps[0].routing_stats, "time_s": time.time(), "running": 1, "context_tokens": 80}
-    complete(router, reps, "a", "k1")
+    serve.complete("k1", "a")
     assert router.load("a", report).batch == 0  # ended after the report: taken out
     later = {**report, "time_s": time.time() + 0.01, "running": 0, "context_tokens": 0}
     assert router.load("a", later).batch == 0  # reflected in the later report: not again
 
 
-def test_the_loaded_row_follows_routing_and_completion():
+def test_the_loaded_row_follows_routing_and_completion(serving):
     """Decisions read cached per-replica rows: routing and completing a request must refresh them."""
     router, now = make_router(), time.time()
     reps = [replica("a", now), replica("b", now)]
-    prepared = router.prepare(request(list(range(400)), "x"))
-    before = router.score(reps, prepared, now)
-    router._track("k", "a", prepared, 0)
+    serve = serving(router, reps)
+    other = router.prepare(request(list(range(5000, 5400)), "y"))  # no prefix in common: load decides
+    assert len(router.score(reps, other, now)) == 2
+    assert serve.route(request(list(range(400)), "x"), "k", to="a") == "a"
     assert router._row("a", reps[0].routing_stats)[2] == 1
-    assert router.score(reps, prepared, now)[0].replica == "b"
-    complete(router, reps, "a", "k")
-    assert router._row("a", reps[0].routing_stats)[2] == 0 and len(before) == 2
+    assert router.score(reps, other, now)[0].replica == "b"
+    serve.complete("k", "a")
+    assert router._row("a", reps[0].routing_stats)[2] == 0
 
 
 def test_affinity_margin_lets_a_somewhat_busier_holder_keep_the_conversation():
@@ -194,48 +152,15 @@ def test_affinity_margin_lets_a_somewhat_busier_holder_keep_the_conversation():
     reps = lambda: [replica("holder", now, running=12, context_tokens=12 * 600), replica("idle", now)]
     prompt = request(SYSTEM + [5, 6, 7])
     plain = make_router(load_bound=10, affinity_margin=1.0)  # the expected wait alone decides here
-    plain.index.insert("holder", cacheable_block_hashes(SYSTEM + [1], BS))
+    plain.index.insert("holder", blocks(SYSTEM + [1]))
     scores = plain.score(reps(), plain.prepare(prompt), now)
     assert scores[0].replica == "idle"
     ratio = scores[1].seconds / scores[0].seconds
     sticky = make_router(load_bound=10, affinity_margin=ratio * 1.01)
-    sticky.index.insert("holder", cacheable_block_hashes(SYSTEM + [1], BS))
+    sticky.index.insert("holder", blocks(SYSTEM + [1]))
     assert sticky.score(reps(), sticky.prepare(prompt), now)[0].replica == "holder"
     with pytest.raises(ValueError):
         make_router(affinity_margin=0.5)
-
-
-def test_index_is_bounded_and_evicts_tails_before_roots():
-    index = PrefixIndex(max_blocks_per_replica=100)
-    for user in range(20):
-        index.insert("r", cacheable_block_hashes(SYSTEM + [user] * 200, BS))
-    assert index.num_blocks("r") == 100
-    # The shared system prompt (the roots, most recently touched) survived the eviction.
-    assert index.matched_blocks(cacheable_block_hashes(SYSTEM + [99], BS)) == {"r": 50}
-    index.set_capacity("r", kv_blocks=30)  # the replica reports a smaller KV cache: the index follows
-    assert index.num_blocks("r") == 30
-    with pytest.raises(ValueError):
-        PrefixIndex(0)
-
-
-def test_turn_two_follows_turn_one_including_its_answer():
-    router, now = make_router(), time.time()
-    reps = [replica(n, now) for n in "abcd"]
-    router._replicas = {r.replica_id: r for r in reps}  # what Serve's update_replicas sets (it needs real replicas)
-    turn1 = list(range(2000, 2100))
-    first = route(router, reps, request(turn1, "t1"), "k1")
-    answer = list(range(5000, 5120))
-    router.on_request_completed(next(r.replica_id for r in reps if r.replica_id.unique_id == first), "k1")
-    router.record_answer("t1", turn1, answer)
-    on_first = router.index.matched_blocks(cacheable_block_hashes(turn1 + answer + [7, 8, 9], BS))[first]
-    computed = len(turn1) + len(answer) - 1  # the answer's last token is sampled, never computed
-    assert on_first == computed // BS  # the answer's blocks count as cached
-    # Other replicas got busier meanwhile; turn 2 still goes where turn 1 was computed.
-    for r in reps:
-        if r.replica_id.unique_id != first:
-            r.routing_stats.update(running=4, context_tokens=800)
-    second = router.score(reps, router.prepare(request(turn1 + answer + [7, 8, 9], "t2")), now)[0]
-    assert second.replica == first and second.cached_tokens == computed // BS * BS
 
 
 def test_decision_time_at_100_replicas_is_bounded():
@@ -249,40 +174,34 @@ def test_decision_time_at_100_replicas_is_bounded():
 def test_a_burst_spreads_before_serve_confirms_any_request():
     """Serve routes a burst with concurrent tasks; on_request_routed comes later. Each decision must
     still see the ones before it, or the whole burst lands on one replica."""
-    import asyncio
-
     router, now = make_router(), time.time()
     reps = [replica(n, now) for n in "abcd"]
 
-    def pending(i):
-        return SimpleNamespace(args=[request(list(range(i * 1000, i * 1000 + 400)), f"b{i}")],
-                               metadata=SimpleNamespace(internal_request_id=f"burst{i}"))
-
     async def burst():
-        return [(await router.choose_replicas(reps, pending(i)))[0][0].replica_id.unique_id for i in range(8)]
+        return [(await router.choose_replicas(reps, pending(request(list(range(i * 1000, i * 1000 + 400)), f"b{i}"),
+                                                            f"burst{i}")))[0][0].replica_id.unique_id
+                for i in range(8)]
 
     firsts = asyncio.run(burst())
     assert sorted(firsts.count(n) for n in "abcd") == [2, 2, 2, 2], firsts
-    router.on_request_completed(reps[0].replica_id, "burst0")  # completion uncounts it
-    assert sum(len(v) for v in router._inflight.values()) == 7
+    router.on_request_completed(reps["abcd".index(firsts[0])].replica_id, "burst0")  # completion uncounts it
+    assert sum(len(router.ledger.inflight(n)) for n in "abcd") == 7
 
 
 def test_a_burst_sharing_a_prefix_follows_its_first_request_before_serve_confirms_it():
     """Four users of each of two system prompts arrive at once: each prompt's later users go where its
     first one went (its prefix counts there from the decision on), so each prompt is computed on as
     few replicas as the load allows, not on every replica."""
-    import asyncio
-
     router, now = make_router(cost_model="cpu-smollm2"), time.time()
     reps = [replica(n, now) for n in "abcd"]
     systems = [list(range(1000, 1400)), list(range(3000, 3400))]
 
-    def pending(i):
+    def user(i):
         ids = systems[i % 2] + list(range(10_000 + 10 * i, 10_000 + 10 * i + 8))
-        return SimpleNamespace(args=[request(ids, f"u{i}")], metadata=SimpleNamespace(internal_request_id=f"b{i}"))
+        return pending(request(ids, f"u{i}"), f"b{i}")
 
     async def burst():
-        return [(await router.choose_replicas(reps, pending(i)))[0][0].replica_id.unique_id for i in range(8)]
+        return [(await router.choose_replicas(reps, user(i)))[0][0].replica_id.unique_id for i in range(8)]
 
     firsts = asyncio.run(burst())
     holders = [{firsts[i] for i in range(8) if i % 2 == p} for p in (0, 1)]
@@ -295,7 +214,7 @@ def test_at_low_load_the_bound_leaves_a_conversation_where_it_is():
     would push the next turn off its holder; it allows one more than the mean, so the turn stays."""
     router, now = make_router(), time.time()
     reps = [replica("holder", now, running=1, context_tokens=600)] + [replica(n, now) for n in "bcd"]
-    router.index.insert("holder", cacheable_block_hashes(SYSTEM + [1], BS))
+    router.index.insert("holder", blocks(SYSTEM + [1]))
     best = router.score(reps, router.prepare(request(SYSTEM + [5, 6, 7])), now)[0]
     assert best.replica == "holder" and not best.over_bound
     # ... while a holder above both the ratio and the mean + 1 is over the bound.
@@ -313,6 +232,6 @@ def test_a_lull_does_not_push_a_conversation_off_its_holder(window_s, stays):
     router.score(busy, router.prepare(request([1, 2, 3])), now - 5)
     lull = [replica("holder", now, running=3, context_tokens=3 * 600)] + [replica(n, now) for n in "bcd"]
     conversation = SYSTEM + list(range(2000, 3200))
-    router.index.insert("holder", cacheable_block_hashes(conversation, BS))
+    router.index.insert("holder", blocks(conversation))
     best = router.score(lull, router.prepare(request(conversation + [5, 6, 7])), now)[0]
     assert (best.replica == "holder") == stays, best

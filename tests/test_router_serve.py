@@ -5,9 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import concurrent.futures
+
 import httpx
 import pytest
 
+from batcher.block_hash import cacheable_block_hashes, root_hash
+from batcher.sampling_params import SamplingParams
+from deployments.protocol import PreparedRequest
 from tests.test_serve_replicas import replica_stats
 
 pytestmark = pytest.mark.slow
@@ -103,3 +108,36 @@ def test_a_replica_whose_kv_is_full_gets_no_new_requests(sim_apps):
     served = {rid: after[rid]["finished_requests"] - before[rid]["finished_requests"] for rid in after}
     # The three full replicas served their long request only; the one with room took every short one.
     assert sorted(served.values()) == [1, 1, 1, 6], served
+
+
+def on_router_loop(router, fn):
+    """`fn()` run on the loop the router routes on (Serve runs it in a thread of its own): after the
+    work queued there before, and without racing it."""
+    done = concurrent.futures.Future()
+    router._loop.call_soon_threadsafe(lambda: done.set_result(fn()))
+    return done.result(timeout=30)
+
+
+def test_answers_reach_the_router_of_the_handle_that_sent_the_request(sim_apps):
+    """What the ingress does with every answer, from a handle of this process: router.feedback finds
+    the handle's LLMRouter (through Serve's private attributes: this checks them on the installed
+    Ray), and the answer's blocks then count as cached on the replica that computed them."""
+    from ray import serve
+
+    from router import feedback
+    from router.llm_router import LLMRouter
+
+    handle = serve.get_deployment_handle("LLMServer", "simllm")
+    prompt = list(range(900, 1000))
+    out = handle.generate.remote(
+        PreparedRequest("answer-1", prompt, SamplingParams(max_tokens=24, ignore_eos=True))).result()
+    router = feedback.request_router_of(handle)
+    assert isinstance(router, LLMRouter)
+    chain = cacheable_block_hashes(prompt + out.token_ids, 8, root_hash("sim:cpu-smollm2"))
+    matched = lambda: router.index.matched_blocks(chain).get(out.replica_id, 0)  # noqa: E731
+    assert on_router_loop(router, matched) == (len(prompt) - 1) // 8  # the prompt, confirmed on its replica
+    assert feedback.record_answer(handle, "answer-1", prompt, out.token_ids)
+    assert on_router_loop(router, matched) == len(chain) == (len(prompt) + 24 - 1) // 8
+    default = serve.get_deployment_handle("LLMServer", "simdefault")  # Serve's own router: nothing to tell
+    default.stats.remote().result()
+    assert feedback.request_router_of(default) is not None and not feedback.record_answer(default, "x", prompt, [])
