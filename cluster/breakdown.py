@@ -28,7 +28,7 @@ from typing import Dict
 
 import numpy as np
 
-from cluster.fleet_sim import FleetSim, Result, Workload
+from cluster.fleet_sim import FleetSim, Result, SimWorkload
 from cluster.simulate import clairvoyant_schedule, run_all
 from cluster.traces import Trace, day_trace, load_csv
 
@@ -67,7 +67,7 @@ def attribute(res: Result, clairvoyant: Result, phase: np.ndarray) -> Dict[str, 
     return out
 
 
-def reactive_bound(trace: Trace, work: Workload, startup_s: float, headroom: float, slo_s: float,
+def reactive_bound(trace: Trace, work: SimWorkload, startup_s: float, headroom: float, slo_s: float,
                    dt_s: float, seed: int, max_replicas: int = 1000) -> Result:
     per_replica = work.throughput_rps(work.max_num_seqs)  # full replicas: headroom 1.33 = 75% full
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     trace = load_csv(args.trace) if args.trace else day_trace(args.peak_rps, args.hours)
-    work = Workload("h100-llama3-8b", args.max_num_seqs)
+    work = SimWorkload("h100-llama3-8b", args.max_num_seqs)
     runs = run_all(trace, work, args.startup_s, args.slo_s, 1000, 0.75 * args.max_num_seqs, args.dt_s,
                    args.seed, names=("queue_depth",))
     clair = runs["clairvoyant"]

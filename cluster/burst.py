@@ -6,7 +6,7 @@ sleeping) with the queue-depth policy, min 1 / max N replicas, then over HTTP (s
 2. tail: the burst clients finish their current request and stop; one client keeps a light load
    while replicas return to the minimum (so replicas leave with streams in flight);
 3. every request is counted: sent, answered in full (all tokens, then [DONE]), failed (with why).
-Prints one JSON object; deletes its Serve app and leaves the cluster running.
+Prints one JSON object; shuts down the Serve it started there and leaves the cluster running.
 """
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import time
 from collections import Counter
 
 import httpx
+
+from cluster.local_serve import local_serve
 
 MAX_TOKENS = 32
 
@@ -36,7 +37,7 @@ def app_config(max_replicas: int) -> dict:
     }
 
 
-class Load:
+class BurstTraffic:
     def __init__(self, url: str):
         self.url, self.counts, self.errors = url, Counter(), Counter()
         self.stop_burst = self.stop_tail = False
@@ -90,7 +91,7 @@ def replicas(app: str) -> tuple:
 
 async def scenario(url: str, app: str, clients: int, max_replicas: int, up_timeout_s: float,
                    down_timeout_s: float) -> dict:
-    load, out = Load(url), {"timeline": []}
+    load, out = BurstTraffic(url), {"timeline": []}
     t0 = time.time()
     nodes_seen: set = set()
 
@@ -105,7 +106,6 @@ async def scenario(url: str, app: str, clients: int, max_replicas: int, up_timeo
         await load.one(http, -1)  # warm: the app answers
         if load.counts["ok"] != 1:
             raise RuntimeError(f"the app does not answer: {dict(load.errors)}")
-        t_burst = time.time()
         burst = [asyncio.create_task(load.client(http, i, tail=False)) for i in range(clients)]
         tail = asyncio.create_task(load.client(http, clients, tail=True))
         try:
@@ -120,7 +120,7 @@ async def scenario(url: str, app: str, clients: int, max_replicas: int, up_timeo
     return out
 
 
-async def _scale_up_then_down(load: Load, out: dict, sample, burst, tail, max_replicas: int,
+async def _scale_up_then_down(load: BurstTraffic, out: dict, sample, burst, tail, max_replicas: int,
                               up_timeout_s: float, down_timeout_s: float) -> None:
     """Burst until max_replicas run, then the light tail until replicas are back to one."""
     t_burst = time.time()
@@ -139,12 +139,6 @@ async def _scale_up_then_down(load: Load, out: dict, sample, burst, tail, max_re
     await tail
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--address", required=True, help="GCS address of the cluster (cluster.local up prints it)")
@@ -155,23 +149,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # cluster.local's clusters run without tokens
 
-    import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
-    port = _free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     app = "burst"
-    try:
+    # The cluster named by --address (never one found on the machine); Serve's proxy on the head only.
+    with local_serve(address=args.address, proxy_location="HeadOnly", logging_level="ERROR") as server:
         serve.run(build_app(app_config(args.max_replicas)), name=app, route_prefix="/")
-        result = asyncio.run(scenario(f"http://127.0.0.1:{port}", app, args.clients, args.max_replicas,
+        result = asyncio.run(scenario(server.url, app, args.clients, args.max_replicas,
                                       args.up_timeout_s, args.down_timeout_s))
         result.update(max_replicas=args.max_replicas, clients=args.clients)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     print(json.dumps(result))
     return 0
 

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
-from ray.serve._private.common import TimeStampedValue
 import ray.serve.autoscaling_policy as serve_policy
+# Private in Ray 2.60, no public equivalent: raw_metrics' point type, and the wrapper (factors, delays,
+# cold start) Serve's controller puts around every policy: the simulation runs Serve's code, not a copy.
+from ray.serve._private.common import TimeStampedValue
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
@@ -37,7 +39,7 @@ TTFT_BINS = np.concatenate([[0.0], np.logspace(-3, 4, 1401)])  # 1 ms .. 10^4 s,
 
 
 @dataclass
-class Workload:
+class SimWorkload:
     preset: str = "h100-llama3-8b"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -120,7 +122,7 @@ class Policy:
 
 
 class FleetSim:
-    def __init__(self, trace: Trace, work: Workload, startup_s: float, dt_s: float = 0.25,
+    def __init__(self, trace: Trace, work: SimWorkload, startup_s: float, dt_s: float = 0.25,
                  slo_s: float = 1.0, control_period_s: float = 1.0, seed: int = 0, slots: int = 4096):
         self.trace, self.w, self.startup_s, self.dt, self.slo_s = trace, work, startup_s, dt_s, slo_s
         self.control_period_s = control_period_s

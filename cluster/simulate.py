@@ -1,7 +1,7 @@
 """`python -m cluster.simulate`: replay a request-rate trace through a fleet of simulated replicas
 under three autoscalers and compare them.
 
-- queue_depth: cluster.autoscaling:QueueDepthPolicy, the function the deployment runs, with the
+- queue_depth: deployments.autoscaling:QueueDepthPolicy, the function the deployment runs, with the
   config the app gives it (deployments.config.AutoscalingConfig.to_serve()).
 - serve_default: Serve's replica_queue_length_autoscaling_policy with Serve's own defaults (30 s
   look-back, 10 s metric pushes, 30 s / 600 s delays), target_ongoing_requests = the same per-replica
@@ -28,15 +28,15 @@ from typing import Dict, List
 import numpy as np
 from ray.serve.config import AutoscalingConfig
 
-from cluster.autoscaling import POLICY_PATH, SERVE_POLICY_PATH, QueueDepthPolicy
-from cluster.fleet_sim import FleetSim, Policy, Result, Workload
+from deployments.autoscaling import SERVE_POLICY_PATH, QueueDepthPolicy
+from cluster.fleet_sim import FleetSim, Policy, Result, SimWorkload
 from cluster.traces import Trace, day_trace, load_csv
 from deployments.config import AutoscalingConfig as AppAutoscaling
 
 TARGETS = {"slo_share": 0.99, "saving_vs_serve": 0.30, "x_clairvoyant": 1.2, "reversals_per_10min": 1.0}
 
 
-def policies(work: Workload, max_replicas: int, target_running: float, startup_s: float,
+def policies(work: SimWorkload, max_replicas: int, target_running: float, startup_s: float,
              growth_lead: float = 0.0) -> Dict[str, Policy]:
     from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
@@ -55,7 +55,7 @@ def policies(work: Workload, max_replicas: int, target_running: float, startup_s
     }
 
 
-def clairvoyant_schedule(trace: Trace, work: Workload, startup_s: float, max_replicas: int, fill: float):
+def clairvoyant_schedule(trace: Trace, work: SimWorkload, startup_s: float, max_replicas: int, fill: float):
     per_replica = work.throughput_rps(fill * work.max_num_seqs)
 
     def schedule(t: float) -> int:
@@ -91,7 +91,7 @@ def summary(res: Result, trace: Trace, slo_s: float) -> dict:
     }
 
 
-def run_all(trace: Trace, work: Workload, startup_s: float, slo_s: float, max_replicas: int,
+def run_all(trace: Trace, work: SimWorkload, startup_s: float, slo_s: float, max_replicas: int,
             target_running: float, dt_s: float, seed: int, fill: float = 0.9, growth_lead: float = 0.0,
             names=("queue_depth", "serve_default", "clairvoyant")) -> Dict[str, Result]:
     out = {}
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     trace = load_csv(args.trace) if args.trace else day_trace(args.peak_rps, args.hours)
-    work = Workload(args.preset, args.max_num_seqs, prompt_tokens=args.prompt_tokens)
+    work = SimWorkload(args.preset, args.max_num_seqs, prompt_tokens=args.prompt_tokens)
     target_running = args.target_running or 0.75 * args.max_num_seqs
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

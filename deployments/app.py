@@ -63,7 +63,8 @@ def llm_deployment_options(cfg: AppConfig) -> dict:
         # A leaving replica finishes its streams first (scale-down and redeploys lose nothing).
         "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s,
         "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s
-        or graceful_timeout_s(cfg.engine, r.shutdown_token_s, r.graceful_shutdown_wait_loop_s),
+        or _check(lambda: graceful_timeout_s(cfg.engine, r.shutdown_token_s, r.graceful_shutdown_wait_loop_s),
+                  "args.engine.max_model_len"),
         "request_router_config": request_router_config(cfg),
     }
     if cfg.autoscaling is not None:
@@ -83,7 +84,7 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
     router = _check(lambda: RequestRouterConfig(**cfg.router.to_serve()), "args.router.request_router_class")
     if cfg.router.request_router_class and issubclass(router.get_request_router_class(), LLMRouter):
         e = cfg.engine
-        shape = {"block_size": e.block_size, "max_num_batched_tokens": e.max_num_batched_tokens,
+        shape = {"model": e.model, "block_size": e.block_size, "max_num_batched_tokens": e.max_num_batched_tokens,
                  "max_num_seqs": e.max_num_seqs}
         for key in shape.keys() & cfg.router.request_router_kwargs.keys():
             raise ConfigError(f"invalid iterserve config at `args.router.request_router_kwargs.{key}`: "

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batcher.config import EngineConfig
-from cluster.autoscaling import POLICY_PATH, SERVE_POLICY_PATH, QueueDepthPolicyConfig
+from deployments.autoscaling import POLICY_PATH, SERVE_POLICY_PATH, QueueDepthPolicyConfig
 
 _STRICT = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -106,7 +106,7 @@ class StreamConfig(BaseModel):
 
 class AutoscalingConfig(BaseModel):
     """Serve's autoscaling options (same names) plus the policy. The default policy is
-    cluster.autoscaling:QueueDepthPolicy (knobs in `policy_kwargs`); Serve's own stays selectable
+    deployments.autoscaling:QueueDepthPolicy (knobs in `policy_kwargs`); Serve's own stays selectable
     with `policy: ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy`. Fields left
     unset take the chosen policy's defaults (see POLICY_DEFAULTS)."""
 

@@ -21,15 +21,15 @@ from starlette.middleware.cors import CORSMiddleware
 from deployments import metrics, request_log
 from deployments.auth import APIKeyAuth, load_api_keys
 from deployments.config import IngressConfig
-from deployments.errors import APIError, engine_error, model_not_found, overload_error, validation_error
+from deployments.errors import APIError, engine_error, model_not_found, overload_error
 from deployments.http_errors import install_error_handlers
 from deployments.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                          ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatMessageOut,
-                                         Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                         ModelCard, ModelList, Usage, new_id)
+                                         CompletionChoice, CompletionLogprobs, CompletionRequest, ModelCard,
+                                         ModelList, TextCompletion, Usage, new_id)
 from deployments.limits import BodySizeLimit, RequestLimits
 from deployments.prompts import prepare
-from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo
+from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, PreparedRequest
 from router import feedback
 
 REPLICA_HEADER = "X-Iterserve-Replica"  # which LLM replica served the request (routing is observable)
@@ -83,20 +83,10 @@ class OpenAIIngress:
     # ---- typed Python API (other Ray jobs) -------------------------------------------------------
 
     async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
-        request = prepare(self.tokenizer, request, await self._request_limits())
-        response = self.llm.generate.remote(request)
-        try:
-            out = await response
-        except asyncio.CancelledError:
-            _cancel(response)
-            raise
-        except Exception as e:
-            raise self._api_error(e) from None
-        feedback.record_answer(request.request_id, request.prompt_token_ids, out.token_ids)
-        return out
+        return await self._generate(await self._prepare(request))
 
     async def stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
-        request = prepare(self.tokenizer, request, await self._request_limits())
+        request = await self._prepare(request)
         gen = self.llm_stream.stream.remote(request)
         finished, output = False, []
         try:
@@ -109,7 +99,19 @@ class OpenAIIngress:
         finally:
             if not finished:
                 _cancel(gen)  # the caller went away (or it failed): abort the engine request
-        feedback.record_answer(request.request_id, request.prompt_token_ids, output)
+        feedback.record_answer(self.llm, request.request_id, request.prompt_token_ids, output)
+
+    async def _generate(self, request: PreparedRequest) -> GenerateResponse:
+        response = self.llm.generate.remote(request)
+        try:
+            out = await response
+        except asyncio.CancelledError:
+            _cancel(response)
+            raise
+        except Exception as e:
+            raise self._api_error(e) from None
+        feedback.record_answer(self.llm, request.request_id, request.prompt_token_ids, out.token_ids)
+        return out
 
     # ---- HTTP ------------------------------------------------------------------------------------
 
@@ -131,10 +133,10 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, response: Response):
         rid, created = new_id("chatcmpl"), int(time.time())
         log = request_log.begin(rid, bool(body.stream))
-        request = await self._to_generate(body, rid)
+        request = await self._from_body(body, rid)
         if body.stream:
             return await self._stream_response(request, self._chat_events(body, rid, created), log)
-        out = await self.generate(request)
+        out = await self._generate(request)
         log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
         return ChatCompletion(
@@ -148,13 +150,13 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, response: Response):
         rid, created = new_id("cmpl"), int(time.time())
         log = request_log.begin(rid, bool(body.stream))
-        request = await self._to_generate(body, rid)
+        request = await self._from_body(body, rid)
         if body.stream:
             return await self._stream_response(request, self._completion_events(body, rid, created), log)
-        out = await self.generate(request)
+        out = await self._generate(request)
         log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
-        return Completion(
+        return TextCompletion(
             id=rid, created=created, model=self.model_name,
             choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
                                       logprobs=CompletionLogprobs.of(out.logprobs) if out.logprobs is not None
@@ -164,19 +166,22 @@ class OpenAIIngress:
 
     # ---- helpers ---------------------------------------------------------------------------------
 
-    async def _to_generate(self, body, rid: str) -> GenerateRequest:
+    async def _from_body(self, body, rid: str) -> PreparedRequest:
         if body.model is not None and body.model != self.model_name:  # a name, never a path: nothing is loaded
             raise model_not_found(body.model, self.model_name)
-        limits = await self._request_limits()
-        limits.check_user(body.user)
+        (await self._request_limits()).check_user(body.user)
         try:
             request = body.to_generate(rid)
         except ValueError as e:  # pydantic.ValidationError is a ValueError
             raise engine_error(e) from None
-        return prepare(self.tokenizer, request, limits)
+        return await self._prepare(request)
 
-    async def _stream_response(self, request: GenerateRequest, events,
-                               log: request_log.RequestRecord) -> StreamingResponse:
+    async def _prepare(self, request: Union[GenerateRequest, dict]) -> PreparedRequest:
+        """The one request path: every request, HTTP or handle, becomes a PreparedRequest here."""
+        return prepare(self.tokenizer, request, await self._request_limits())
+
+    async def _stream_response(self, request: PreparedRequest, events,
+                               log: request_log.RequestLogEntry) -> StreamingResponse:
         """Waits for the first chunk before answering, so errors keep their status code."""
         gen = self.llm_stream.stream.remote(request)
         try:
@@ -190,8 +195,8 @@ class OpenAIIngress:
         return StreamingResponse(self._relay(request, gen, first, events, log), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", REPLICA_HEADER: first.replica_id})
 
-    async def _relay(self, request: GenerateRequest, gen, first: GenerateChunk, events,
-                     log: request_log.RequestRecord) -> AsyncIterator[str]:
+    async def _relay(self, request: PreparedRequest, gen, first: GenerateChunk, events,
+                     log: request_log.RequestLogEntry) -> AsyncIterator[str]:
         """Chunks -> SSE text. A client disconnect cancels this generator, which cancels `gen`
         (the replica then aborts the request and frees its KV blocks)."""
         finished, output, last = False, list(first.token_ids), first
@@ -202,7 +207,7 @@ class OpenAIIngress:
                 last = chunk
                 yield events(chunk, False)
             finished = True
-            feedback.record_answer(request.request_id, request.prompt_token_ids, output)
+            feedback.record_answer(self.llm, request.request_id, request.prompt_token_ids, output)
             log.write(200, last)
             yield "data: [DONE]\n\n"
         except Exception as e:  # mid-stream failure: the status is already sent; report in-band
@@ -237,11 +242,11 @@ class OpenAIIngress:
             nonlocal offset
             lps = CompletionLogprobs.of(chunk.logprobs, offset) if chunk.logprobs else None
             offset += len(chunk.text)
-            out = _sse(Completion(id=rid, created=created, model=self.model_name,
+            out = _sse(TextCompletion(id=rid, created=created, model=self.model_name,
                                   choices=[CompletionChoice(text=chunk.text, logprobs=lps,
                                                             finish_reason=chunk.finish_reason)]))
             if chunk.finish_reason and body.include_usage:
-                out += _sse(Completion(id=rid, created=created, model=self.model_name, choices=[],
+                out += _sse(TextCompletion(id=rid, created=created, model=self.model_name, choices=[],
                                        usage=Usage.of(chunk)))
             return out
         return events

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, List, Optional
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -78,10 +78,9 @@ class RequestLimits:
             raise APIError(400, f"max_tokens: {request.max_tokens} is more than max_model_len {self.max_model_len}",
                            param="max_tokens", code="context_length_exceeded")
 
-    def check_tokens(self, request: GenerateRequest) -> None:
-        """After tokenizing: the prompt fits the context window, its ids are in the vocabulary."""
-        param = "messages" if request.messages is not None else "prompt"
-        ids = request.prompt_token_ids or []
+    def check_tokens(self, param: str, ids: List[int]) -> None:
+        """After tokenizing: the prompt (from request field `param`) fits the context window, its ids
+        are in the vocabulary."""
         if len(ids) > self.max_model_len:  # refused here, before it costs a replica (or a router) anything
             raise APIError(400, f"{param}: {len(ids)} prompt tokens, more than max_model_len {self.max_model_len}",
                            param=param, code="context_length_exceeded")

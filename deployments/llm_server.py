@@ -10,19 +10,16 @@ import functools
 import logging
 import os
 import time
-from typing import AsyncIterator, Dict, List, Optional, Union
+from typing import AsyncIterator, Dict, List, Optional
 
-import pydantic
 from ray import serve
 
 from batcher.outputs import completion_from_deltas, merge_deltas
 from deployments import metrics
 from deployments.coalesce import coalesce
 from deployments.config import StreamConfig
-from deployments.errors import engine_error
-from deployments.prompts import prepare
-from deployments.protocol import (GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, TokenLogprob,
-                                  TopLogprob)
+from deployments.errors import APIError, engine_error
+from deployments.protocol import GenerateChunk, GenerateResponse, ModelInfo, OutputLogprob, PreparedRequest, TopLogprob
 
 # Fault injection (stall_engine_for_tests) works only in replicas started with this set to "1".
 TEST_HOOKS_ENV = "ITERSERVE_ENABLE_TEST_HOOKS"
@@ -55,12 +52,12 @@ class LLMServer:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    async def stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
+    async def stream(self, request: PreparedRequest) -> AsyncIterator[GenerateChunk]:
         """Use with `handle.options(stream=True).stream.remote(request)`. Errors come before the
         first chunk; cancelling the call aborts the request and frees its KV blocks."""
-        request, prompt, params = self._prepare(request)
+        _check_prepared(request)
         timer, reason, generated = metrics.RequestTimer(), "abort", 0  # "abort": the caller went away
-        deltas = self.engine.stream(prompt, params, request_id=request.request_id)
+        deltas = self.engine.stream(request.prompt_token_ids, request.params, request.request_id, request.cache_salt)
         self.open_streams += 1
         try:
             async for batch in coalesce(deltas, self._chunk_interval, is_last=lambda d: d.finish_reason is not None):
@@ -70,26 +67,27 @@ class LLMServer:
                 yield chunk
         except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
             reason = None  # an error, counted where it is answered (the ingress)
-            raise engine_error(e, self._param(request)) from None
+            raise engine_error(e, request.prompt_param) from None
         finally:
             self.open_streams -= 1
             if reason is not None:
                 self.metrics.finish(timer, reason, generated)
 
-    async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
+    async def generate(self, request: PreparedRequest) -> GenerateResponse:
         """The whole answer at once. Cancelling the call aborts the request."""
-        request, prompt, params = self._prepare(request)
+        _check_prepared(request)
         timer, deltas = metrics.RequestTimer(), []
         try:
-            async for d in self.engine.stream(prompt, params, request_id=request.request_id):
+            async for d in self.engine.stream(request.prompt_token_ids, request.params, request.request_id,
+                                              request.cache_salt):
                 timer.saw(len(d.token_ids))  # the deltas, unlike engine.generate, time the first token
                 deltas.append(d)
         except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
-            raise engine_error(e, self._param(request)) from None
+            raise engine_error(e, request.prompt_param) from None
         except asyncio.CancelledError:  # the caller went away: the engine request is aborted
             self.metrics.finish(timer, "abort", sum(len(d.token_ids) for d in deltas))
             raise
-        out = completion_from_deltas(prompt, deltas)
+        out = completion_from_deltas(request.prompt_token_ids, deltas)
         self.metrics.finish(timer, out.finish_reason, len(out.token_ids))
         return GenerateResponse(
             request_id=out.request_id, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
@@ -119,7 +117,8 @@ class LLMServer:
         """Polled by the controller; request routers read it as RunningReplica.routing_stats.
         `time_s` stamps it, so a router can tell a stale report from an idle replica; `request_ids`
         lets it tell which of its requests the report counts (router.scoring.counted_in)."""
-        s, held = self.engine.stats(), self.engine.held_request_ids()
+        snap = self.engine.snapshot()  # published by the engine thread: safe to read from this loop
+        s, held = snap.stats, list(snap.held_request_ids)
         return {"time_s": time.time(), "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
                 "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
                 "queued_prefill_tokens": s.queued_prefill_tokens, "context_tokens": s.context_tokens,
@@ -143,29 +142,12 @@ class LLMServer:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _prepare(self, request):
-        """Validates the request and resolves max_tokens=None; the prompt ids come from the ingress
-        (prepared here only for callers that reach this deployment directly)."""
-        request = prepare(self.tokenizer, request)
-        prompt = request.prompt_token_ids
-        max_tokens = request.max_tokens
-        if max_tokens is None:  # OpenAI chat default: whatever room the context window leaves
-            max_tokens = max(1, self.max_request_tokens - len(prompt))
-        try:
-            return request, prompt, request.sampling_params(max_tokens)
-        except pydantic.ValidationError as e:
-            raise engine_error(e) from None
-
     def _chunk_interval(self) -> float:
         """Seconds a stream holds deltas before sending a chunk: the configured window, stretched
         under load so all streams together stay within the chunk budget."""
         if not self.chunk_budget:
             return self.interval_s
         return max(self.interval_s, self.open_streams / self.chunk_budget)
-
-    @staticmethod
-    def _param(request: GenerateRequest) -> str:
-        return "messages" if request.messages is not None else "prompt"
 
     def _chunk(self, deltas: list) -> GenerateChunk:
         d = functools.reduce(merge_deltas, deltas)
@@ -182,13 +164,19 @@ class LLMServer:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _logprobs(self, lps: List) -> Optional[List[TokenLogprob]]:
+    def _logprobs(self, lps: List) -> Optional[List[OutputLogprob]]:
         return [
-            TokenLogprob(token_id=lp.token_id, token=self._text_of(lp.token_id), logprob=lp.logprob,
+            OutputLogprob(token_id=lp.token_id, token=self._text_of(lp.token_id), logprob=lp.logprob,
                          top_logprobs=[TopLogprob(token_id=t, token=self._text_of(t), logprob=v)
                                        for t, v in lp.top_logprobs.items()])
             for lp in lps
         ]
+
+
+def _check_prepared(request) -> None:
+    if not isinstance(request, PreparedRequest):
+        raise APIError(400, f"LLMServer takes a PreparedRequest, got {type(request).__name__}: send requests "
+                       "to the ingress app (HTTP or serve.get_app_handle), which prepares them once")
 
 
 def _rss_bytes() -> int:

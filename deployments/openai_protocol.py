@@ -11,7 +11,7 @@ from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deployments.protocol import ChatMessage, GenerateRequest, TokenLogprob
+from deployments.protocol import ChatMessage, GenerateRequest, OutputLogprob
 
 
 class StreamOptions(BaseModel):
@@ -38,6 +38,7 @@ class _Request(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: Optional[Dict[str, float]] = None
     user: Optional[str] = None
+    cache_salt: Optional[str] = Field(None, min_length=1)  # extension (vLLM's): see GenerateRequest
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -49,8 +50,8 @@ class _Request(BaseModel):
             raise ValueError("logit_bias: not supported")
         return self
 
-    def _sampling_fields(self) -> dict:
-        fields = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "seed", "stop")}
+    def _generate_fields(self) -> dict:
+        fields = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "seed", "stop", "cache_salt")}
         return {k: v for k, v in fields.items() if v is not None} | {"ignore_eos": self.ignore_eos}
 
     @property
@@ -68,7 +69,7 @@ class ChatCompletionRequest(_Request):
         top = (self.top_logprobs or 0) if self.logprobs else None
         return GenerateRequest(
             messages=self.messages, max_tokens=self.max_completion_tokens or self.max_tokens,
-            logprobs=top, request_id=request_id, **self._sampling_fields(),
+            logprobs=top, request_id=request_id, **self._generate_fields(),
         )
 
 
@@ -99,7 +100,7 @@ class CompletionRequest(_Request):
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         return GenerateRequest(prompt=self.prompt, max_tokens=self.max_tokens, logprobs=self.logprobs,
-                               request_id=request_id, **self._sampling_fields())
+                               request_id=request_id, **self._generate_fields())
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ class ChatLogprobs(BaseModel):
     content: List[ChatTokenLogprob]
 
     @classmethod
-    def of(cls, lps: List[TokenLogprob]) -> "ChatLogprobs":
+    def of(cls, lps: List[OutputLogprob]) -> "ChatLogprobs":
         def top(t) -> ChatTopLogprob:
             return ChatTopLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()))
         return cls(content=[ChatTokenLogprob(**top(lp).model_dump(), top_logprobs=[top(t) for t in lp.top_logprobs])
@@ -154,7 +155,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: List[int]
 
     @classmethod
-    def of(cls, lps: List[TokenLogprob], start_offset: int = 0) -> "CompletionLogprobs":
+    def of(cls, lps: List[OutputLogprob], start_offset: int = 0) -> "CompletionLogprobs":
         offsets, pos = [], start_offset
         for lp in lps:
             offsets.append(pos)
@@ -213,7 +214,7 @@ class CompletionChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
-class Completion(BaseModel):
+class TextCompletion(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))

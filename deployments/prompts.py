@@ -1,19 +1,19 @@
-"""A request's prompt as token ids: the chat template applied and tokenized once, where it is cheapest.
+"""GenerateRequest -> PreparedRequest: the one place a request is validated, templated and tokenized.
 
-The ingress does it for every request (routers then hash exactly the tokens the engine will cache,
-and the replica's cores only run the engine); the replica does it only for callers that reach it
-without the ingress. Same tokenizer, same template, same ids as the offline engine.
+The ingress does it once per request, where it is cheapest: routers then hash exactly the tokens
+the engine will cache, and the replicas' cores only run the engine. Same tokenizer, same template,
+same ids as the offline engine.
 """
 from __future__ import annotations
 
 import uuid
-from typing import List, Optional, Union
+from typing import List, Union
 
 import pydantic
 
 from deployments.errors import APIError, engine_error
 from deployments.limits import RequestLimits
-from deployments.protocol import GenerateRequest
+from deployments.protocol import GenerateRequest, PreparedRequest
 
 
 def chat_text(tokenizer, request: GenerateRequest) -> str:
@@ -22,8 +22,6 @@ def chat_text(tokenizer, request: GenerateRequest) -> str:
 
 
 def prompt_token_ids(tokenizer, request: GenerateRequest) -> List[int]:
-    if request.prompt_token_ids is not None:
-        return request.prompt_token_ids
     if request.messages is not None:
         return tokenizer(chat_text(tokenizer, request))["input_ids"]
     if isinstance(request.prompt, str):
@@ -31,26 +29,19 @@ def prompt_token_ids(tokenizer, request: GenerateRequest) -> List[int]:
     return list(request.prompt)
 
 
-def prepare(tokenizer, request: Union[GenerateRequest, dict], limits: Optional[RequestLimits] = None
-            ) -> GenerateRequest:
-    """Validates a request, gives it an id and its prompt token ids. Errors are 400 APIErrors.
-    With `limits` (the ingress), sizes are checked before tokenizing and the tokens after, also
-    for a request that arrives prepared: a caller's own prompt_token_ids are not trusted."""
+def prepare(tokenizer, request: Union[GenerateRequest, dict], limits: RequestLimits) -> PreparedRequest:
+    """Validates a request (sizes before tokenizing, token ids after), gives it an id, its prompt's
+    token ids and max_tokens (None: the rest of the context window). Errors are 400 APIErrors."""
     try:
-        # Only a GenerateRequest object can come prepared (by the ingress); a dict is always tokenized.
-        prepared = isinstance(request, GenerateRequest) and request.request_id and request.prompt_token_ids is not None
         if not isinstance(request, GenerateRequest):
             request = GenerateRequest.model_validate(request)
-        if limits is not None:
-            limits.check_request(request)
-        if not prepared:
-            request = request.model_copy(update={
-                "request_id": request.request_id or uuid.uuid4().hex,
-                "prompt_token_ids": prompt_token_ids(tokenizer, request),
-            })
-        if limits is not None:
-            limits.check_tokens(request)
-        return request
+        limits.check_request(request)
+        ids = prompt_token_ids(tokenizer, request)
+        limits.check_tokens(request.prompt_param, ids)
+        max_tokens = request.max_tokens or max(1, limits.max_model_len - len(ids))
+        return PreparedRequest(request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
+                               params=request.sampling_params(max_tokens), cache_salt=request.cache_salt,
+                               prompt_param=request.prompt_param)
     except pydantic.ValidationError as e:
         raise engine_error(e) from None
     except APIError:

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,7 +32,8 @@ class ChatMessage(BaseModel):
 
 
 class GenerateRequest(SamplingParams):
-    """A prompt (text or token ids) or chat messages, plus SamplingParams' fields.
+    """A prompt (text or token ids) or chat messages, plus SamplingParams' fields: what callers send
+    to the ingress (HTTP bodies become one too). The ingress turns it into a PreparedRequest.
 
     `max_tokens=None` means: up to the end of the model's context window.
     """
@@ -40,9 +42,10 @@ class GenerateRequest(SamplingParams):
     messages: Optional[List[ChatMessage]] = None
     max_tokens: Optional[int] = Field(None, ge=1, description="None: fill the rest of the context.")
     request_id: Optional[str] = None
-    prompt_token_ids: Optional[List[int]] = Field(
-        None, description="Set by the ingress: the prompt (chat template applied) as token ids, computed "
-        "once; the replica and the request router use it. Callers leave it unset.")
+    cache_salt: Optional[str] = Field(
+        None, min_length=1, description="Requests share prefix-cache blocks only with requests of the same "
+        "salt (as vLLM's cache_salt): tenants that must not learn of each other's prompts through cache "
+        "timing each send their own.")
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
@@ -52,9 +55,31 @@ class GenerateRequest(SamplingParams):
             raise ValueError("`messages` must not be empty")
         return self
 
+    @property
+    def prompt_param(self) -> str:
+        """The request field that holds the input (errors about the prompt name it)."""
+        return "messages" if self.messages is not None else "prompt"
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         fields = set(SamplingParams.model_fields) - {"max_tokens"}
         return SamplingParams(max_tokens=max_tokens, **self.model_dump(include=fields))
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """What LLM replicas accept, made once per request by the ingress (deployments.prompts.prepare):
+    the prompt with the chat template applied, as token ids, and max_tokens resolved. The request
+    router reads `prompt_token_ids`, `max_tokens`, `request_id` and `cache_salt` from it."""
+
+    request_id: str
+    prompt_token_ids: List[int]
+    params: SamplingParams
+    cache_salt: Optional[str] = None
+    prompt_param: str = "prompt"  # "prompt" | "messages": where the client put the input
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
 
 
 class TopLogprob(BaseModel):
@@ -63,7 +88,9 @@ class TopLogprob(BaseModel):
     logprob: float
 
 
-class TokenLogprob(BaseModel):
+class OutputLogprob(BaseModel):
+    """The sampled token's logprob and its top alternatives, as callers receive them."""
+
     token_id: int
     token: str
     logprob: float
@@ -75,7 +102,7 @@ class _GenerateOutput(BaseModel):
     text: str
     token_ids: List[int]
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
-    logprobs: Optional[List[TokenLogprob]] = None
+    logprobs: Optional[List[OutputLogprob]] = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the replica's prefix cache supplied

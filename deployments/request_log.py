@@ -18,11 +18,11 @@ from deployments.protocol import GenerateChunk, GenerateResponse
 
 EVENT = "iterserve_request"
 logger = logging.getLogger("ray.serve")
-_current: ContextVar[Optional["RequestRecord"]] = ContextVar("iterserve_request_record", default=None)
+_current: ContextVar[Optional["RequestLogEntry"]] = ContextVar("iterserve_request_record", default=None)
 
 
 @dataclass
-class RequestRecord:
+class RequestLogEntry:
     request_id: str
     stream: bool
     start: float = field(default_factory=time.perf_counter)
@@ -50,9 +50,9 @@ class RequestRecord:
         logger.info(json.dumps(line, separators=(",", ":")))
 
 
-def begin(request_id: str, stream: bool) -> RequestRecord:
+def begin(request_id: str, stream: bool) -> RequestLogEntry:
     """Starts the record of the current HTTP request (error handlers find it through a context var)."""
-    record = RequestRecord(request_id, stream)
+    record = RequestLogEntry(request_id, stream)
     _current.set(record)
     return record
 

@@ -7,33 +7,27 @@ request the engine admits: up to max_model_len tokens generated at a full batch'
 """
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Optional
 
 from batcher import simulated
 from batcher.config import EngineConfig
+from batcher.model_loader import context_length, is_local_model, model_config
 
-# SmolLM2-135M-Instruct's context (config.json max_position_embeddings), for when the embedded model
-# has not been prepared on this machine yet; a model whose length cannot be read gets the same.
-EMBEDDED_MAX_MODEL_LEN = 8192
 # Seconds per token of the embedded model at 64 sequences on 2 CPU cores (measured step ~0.25 s).
 CPU_TOKEN_S = 0.3
 
 
 def model_len(engine: EngineConfig) -> int:
-    """max_model_len as the engine will resolve it, without loading the model."""
-    if engine.max_model_len:
-        return engine.max_model_len
-    if simulated.is_simulated(engine.model):
-        return simulated.preset_for(engine.model).max_model_len
-    if engine.model == "tiny-llama":
-        return 2048
-    path = Path(engine.model) / "config.json"
-    if path.is_file():
-        return int(json.loads(path.read_text()).get("max_position_embeddings", EMBEDDED_MAX_MODEL_LEN))
-    return EMBEDDED_MAX_MODEL_LEN
+    """max_model_len as the engine will resolve it, from the model's config (no weights loaded)."""
+    if engine.max_model_len and not is_local_model(engine.model):
+        return engine.max_model_len  # a hub model: no download at deploy; the engine checks it when it loads
+    try:
+        config = model_config(engine.model)
+    except OSError as e:  # a hub model whose config this node cannot fetch
+        raise ValueError(f"cannot read the config of model {engine.model!r} to size the shutdown window "
+                         f"({e}); set engine.max_model_len or replica.graceful_shutdown_timeout_s") from None
+    return context_length(config, engine.max_model_len)
 
 
 def token_seconds(engine: EngineConfig) -> float:

@@ -60,7 +60,7 @@ class Target:
 
 
 @dataclass
-class RequestRecord:
+class BenchRecord:
     """What happened to one request (one turn of a chat). Times in seconds; start_s from the run's start."""
 
     index: int  # position of its BenchRequest in the workload
@@ -93,7 +93,7 @@ class RequestRecord:
 
 @dataclass
 class LoadResult:
-    records: List[RequestRecord]
+    records: List[BenchRecord]
     duration_s: float  # from the first send to the last answer
 
 
@@ -131,7 +131,7 @@ def _error_message(raw: bytes) -> str:
 
 
 async def send_one(client, target: Target, model: str, payload, max_tokens: int, ignore_eos: bool,
-                   record: RequestRecord, t_run0: float) -> str:
+                   record: BenchRecord, t_run0: float) -> str:
     """Sends one request, fills `record`, returns the answer's text."""
     url = f"{target.root}/v1/{'chat/completions' if target.api == 'chat' else 'completions'}"
     body = request_body(target, model, payload, max_tokens, ignore_eos)
@@ -191,13 +191,13 @@ async def send_one(client, target: Target, model: str, payload, max_tokens: int,
 
 
 async def _session(client, target: Target, model: str, index: int, req: BenchRequest,
-                   timeout_s: float, t_run0: float, records: List[RequestRecord], on_done) -> None:
+                   timeout_s: float, t_run0: float, records: List[BenchRecord], on_done) -> None:
     """All turns of one BenchRequest, in order; a failed turn ends the chat."""
     history = list(req.messages or ([{"role": "user", "content": req.prompt}] if isinstance(req.prompt, str) else []))
     for turn in range(req.num_turns):
         if turn:
             history.append({"role": "user", "content": req.followups[turn - 1]})
-        record = RequestRecord(index=index, turn=turn, start_s=time.perf_counter() - t_run0)
+        record = BenchRecord(index=index, turn=turn, start_s=time.perf_counter() - t_run0)
         records.append(record)
         payload = history if target.api == "chat" else req.prompt
         try:
@@ -243,7 +243,7 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], arrivals: O
     try:
         model = await resolve_model(client, target)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        records: List[RequestRecord] = []
+        records: List[BenchRecord] = []
 
         async def one(i: int, req: BenchRequest) -> None:
             if gate is None:

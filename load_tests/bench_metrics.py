@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence
 
-from load_tests.bench_client import RequestRecord
+from load_tests.bench_client import BenchRecord
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2el": "e2e_s", "e2e": "e2e_s"}
@@ -46,7 +46,7 @@ def parse_slos(items: Optional[Sequence[str]]) -> Dict[str, float]:
     return slos
 
 
-def meets_slos(record: RequestRecord, slos: Dict[str, float]) -> bool:
+def meets_slos(record: BenchRecord, slos: Dict[str, float]) -> bool:
     if not record.ok:
         return False
     for name, limit_ms in slos.items():
@@ -56,7 +56,7 @@ def meets_slos(record: RequestRecord, slos: Dict[str, float]) -> bool:
     return True
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, slos: Optional[Dict[str, float]] = None,
+def summarize(records: Sequence[BenchRecord], duration_s: float, slos: Optional[Dict[str, float]] = None,
               percentiles: Sequence[float] = PERCENTILES) -> dict:
     """The summary of one run (see the module doc); `slos` in milliseconds by name (ttft, tpot, e2el)."""
     ok = [r for r in records if r.ok]

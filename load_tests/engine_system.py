@@ -5,7 +5,7 @@ import time
 from typing import Sequence
 
 from load_tests.systems import Budgets, RunResult
-from load_tests.workload import Request
+from load_tests.workload import WorkloadRequest
 
 
 class EngineSystem:
@@ -33,16 +33,16 @@ class EngineSystem:
         )
         self.engine = LLMEngine(self.config)
 
-    def _generate(self, requests: Sequence[Request]):
+    def _generate(self, requests: Sequence[WorkloadRequest]):
         from batcher import SamplingParams
 
         params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
         return self.engine.generate([list(r.prompt_token_ids) for r in requests], params)
 
-    def warmup(self, requests: Sequence[Request]) -> None:
+    def warmup(self, requests: Sequence[WorkloadRequest]) -> None:
         self._generate(requests)
 
-    def run(self, requests: Sequence[Request]) -> RunResult:
+    def run(self, requests: Sequence[WorkloadRequest]) -> RunResult:
         before = self.engine.stats()
         start = time.perf_counter()
         completions = self._generate(requests)

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from cluster.local_serve import free_port, local_serve
 from load_tests.arrivals import parse_rates
 from load_tests.bench import sweep
 from load_tests.bench_client import Target
 from load_tests.bench_metrics import parse_slos
 from load_tests.bench_workloads import variance_requests
 from load_tests.experiment_report import write_report
-from load_tests.servers import free_port, peer_server
+from load_tests.servers import peer_server
 
 SYSTEMS = ("static", "continuous", "peer")
 
@@ -71,32 +71,6 @@ def app_config(args, scheduling: str) -> dict:
     return {"engine": engine, "replica": {"max_ongoing_requests": 1024, "max_queued_requests": 4096}}
 
 
-@contextlib.contextmanager
-def local_serve():
-    """A local Ray cluster with Serve on a free loopback port (never a user's cluster); yields the base URL."""
-    import ray
-    from ray import serve
-
-    port = free_port()
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-def deploy(base: str, name: str, config: dict) -> str:
-    from ray import serve
-
-    from deployments.app import build_app
-
-    serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-    return f"{base}/{name}"
-
-
 def requests_at(rate: float, args) -> int:
     return max(args.num_requests, int(rate * args.window_s))
 
@@ -132,12 +106,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     started, by_system = time.perf_counter(), {}
     ours = [s for s in systems if s != "peer"]
     if ours:
-        with local_serve() as base:
-            for mode in ours:
-                url = deploy(base, mode, app_config(args, mode))
-                by_system[mode] = run_sweep(mode, Target(url), requests, args, slos)
-                from ray import serve
+        from ray import serve
 
+        with local_serve(num_cpus=os.cpu_count(), logging_level="ERROR") as server:
+            for mode in ours:
+                url = server.deploy(mode, app_config(args, mode))
+                by_system[mode] = run_sweep(mode, Target(url), requests, args, slos)
                 serve.delete(mode)
     if "peer" in systems:
         from batcher.model_loader import embedded_model_dir

@@ -26,7 +26,7 @@ from load_tests.systems import (
     Budgets, HFNaive, HFStatic, RunResult, System, TransformersCB, load_hf_model,
 )
 from load_tests.workload import (
-    Request, Workload, random_prompts, representative_subset, text_token_range, variance_workloads,
+    Workload, WorkloadRequest, random_prompts, representative_subset, text_token_range, variance_workloads,
 )
 
 ALL_SYSTEMS = ["hf_naive", "hf_static16", "transformers_cb", "engine_static", "engine_continuous"]
@@ -86,7 +86,7 @@ def build_systems(names: List[str], model, tokenizer, args, budgets: Budgets) ->
     return systems
 
 
-def lengths_wrong(requests: Sequence[Request], result: RunResult) -> int:
+def lengths_wrong(requests: Sequence[WorkloadRequest], result: RunResult) -> int:
     return sum(len(o) != r.max_tokens for r, o in zip(requests, result.outputs)) + abs(
         len(requests) - len(result.outputs))
 
@@ -174,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     systems = build_systems(args.systems, model, tokenizer, args, budgets)
 
     # Warm-up: small, with other prompts, so first-call costs (allocator, kernels) stay out of the timings.
-    warm = [Request(p, 4) for p in random_prompts(2, 16, token_range, seed=args.seed + 10_000)]
+    warm = [WorkloadRequest(p, 4) for p in random_prompts(2, 16, token_range, seed=args.seed + 10_000)]
     for name, system in systems.items():
         _log(f"warming up {name}")
         system.warmup(warm)

@@ -19,11 +19,11 @@ import asyncio
 import json
 import logging
 import random
-import socket
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from load_tests.bench_client import BenchRequest, RequestRecord, Target, run_load
+from cluster.local_serve import local_serve
+from load_tests.bench_client import BenchRecord, BenchRequest, Target, run_load
 from load_tests.bench_metrics import summarize as summarize_load
 
 ROUTERS = {
@@ -65,7 +65,7 @@ def sessions(kind: str, users: int, turns: int, system_words: int, user_words: i
     return out
 
 
-def inflight_imbalance(records: Sequence[RequestRecord], num_replicas: int) -> Optional[float]:
+def inflight_imbalance(records: Sequence[BenchRecord], num_replicas: int) -> Optional[float]:
     """Max/mean in-flight requests per replica, averaged over time weighted by the requests in flight
     (an imbalance matters when there is load: the tail of a run, one request left on one replica,
     weighs little), from when each request was in flight and which replica served it
@@ -87,7 +87,7 @@ def inflight_imbalance(records: Sequence[RequestRecord], num_replicas: int) -> O
     return weighted / total if total else None
 
 
-def summarize(records: Sequence[RequestRecord], wall_s: float, num_replicas: int) -> dict:
+def summarize(records: Sequence[BenchRecord], wall_s: float, num_replicas: int) -> dict:
     s = summarize_load(records, wall_s)
     return {"requests": s["requests"], "failed": s["failed"], "cached_share": s.get("cached_token_share", 0.0),
             "ttft_ms_p50": s["ttft_ms"]["p50"], "ttft_ms_p90": s["ttft_ms"]["p90"],
@@ -186,26 +186,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--json", default="results/routing.json")
     args = p.parse_args(argv)
     args.routers, args.workloads = args.routers.split(","), args.workloads.split(",")
-    import ray
-    from ray import serve
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     from deployments.app import build_app
 
     fleets = [int(n) for n in args.replicas.split(",")]
     # Every app is built (its router class serialized) before the first handle makes a router in this
     # process: serializing a router class after that failed here (cloudpickle met an asyncio.Future).
     apps = {n: {name: build_app(app_config(args, ROUTERS[name], n)) for name in args.routers} for n in fleets}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        results = {n: run_fleet(args, n, apps[n], f"http://127.0.0.1:{port}") for n in fleets}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve(num_cpus=2, logging_level="ERROR") as server:
+        results = {n: run_fleet(args, n, apps[n], server.url) for n in fleets}
     checks = report(results, args.preset)
     out = {"simulated": f"sim:{args.preset}", "args": vars(args), "results": results, "targets": checks}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

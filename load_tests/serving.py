@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from cluster.local_serve import free_port
 from load_tests.bench_client import BenchRequest, Target, run_load
 from load_tests.bench_metrics import summarize
 from load_tests.bench_workloads import variance_requests
-from load_tests.servers import free_port, peer_server, serve_run
+from load_tests.servers import peer_server, serve_run
 from load_tests.serving_report import cpu_seconds, report
 
 SYSTEMS = ("iterserve", "peer")

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 import yaml
 
+from cluster.local_serve import local_serve
 from load_tests.bench_metrics import percentile
 from load_tests.soak_traffic import DEFAULT_MIX, KINDS, OUTCOMES, SoakRecord, run_traffic
 
@@ -222,11 +224,9 @@ def format_report(rep: dict, targets: Dict[str, dict]) -> str:
 
 @contextlib.contextmanager
 def own_server(model: str):
-    """A local Ray cluster and the app on it (experiment.local_serve); yields (base URL, app name)."""
-    from load_tests.experiment import deploy, local_serve
-
-    with local_serve() as base:
-        yield deploy(base, "soak", app_config(model)), "soak"
+    """A local Ray cluster (every core) and the app on it; yields (base URL, app name)."""
+    with local_serve(num_cpus=os.cpu_count(), logging_level="ERROR") as server:
+        yield server.deploy("soak", app_config(model)), "soak"
 
 
 def _ray_connected() -> bool:

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import httpx
 
 from load_tests.arrivals import arrival_offsets
-from load_tests.bench_client import RequestRecord, Target, resolve_model, send_one
+from load_tests.bench_client import BenchRecord, Target, resolve_model, send_one
 
 KINDS = ("stream", "plain", "disconnect", "bad")
 OUTCOMES = ("ok", "disconnected", "expected_4xx", "error", "lost")
@@ -83,7 +83,7 @@ class SoakClient:
         messages = [{"role": "user", "content": user_prompt(i, rng)}]
         if kind in ("stream", "plain"):
             target = self.stream_target if kind == "stream" else self.plain_target
-            r = RequestRecord(index=i, start_s=rec.start_s)
+            r = BenchRecord(index=i, start_s=rec.start_s)
             await send_one(self.client, target, self.model, messages, OUTPUT_TOKENS, True, r, t0)
             rec.status, rec.error, rec.ttft_s, rec.e2e_s = r.status, r.error, r.ttft_s, r.e2e_s
             complete = r.ok and r.finish_reason is not None and r.output_tokens == OUTPUT_TOKENS

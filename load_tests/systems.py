@@ -1,6 +1,6 @@
 """The baselines of the offline benchmark, all on one Hugging Face model instance.
 
-Every system takes a list of `Request`s and returns a `RunResult` whose `outputs[i]` holds exactly
+Every system takes a list of `WorkloadRequest`s and returns a `RunResult` whose `outputs[i]` holds exactly
 the tokens request i asked for (what counts as output). Greedy decoding and EOS ignored everywhere, so
 every system does the same work and outputs can be compared token for token.
 """
@@ -13,7 +13,7 @@ from typing import List, Optional, Protocol, Sequence
 
 import torch
 
-from load_tests.workload import Request
+from load_tests.workload import WorkloadRequest
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,9 @@ class RunResult:
 class System(Protocol):
     name: str
 
-    def warmup(self, requests: Sequence[Request]) -> None: ...
+    def warmup(self, requests: Sequence[WorkloadRequest]) -> None: ...
 
-    def run(self, requests: Sequence[Request]) -> RunResult: ...
+    def run(self, requests: Sequence[WorkloadRequest]) -> RunResult: ...
 
     def close(self) -> None: ...
 
@@ -71,7 +71,7 @@ class HFNaive:
         self.model = model
 
     @torch.inference_mode()
-    def _one(self, request: Request) -> List[int]:
+    def _one(self, request: WorkloadRequest) -> List[int]:
         ids = torch.tensor([request.prompt_token_ids])
         # An explicit mask: HF would otherwise mask prompt tokens that equal the pad id.
         out = self.model.generate(
@@ -79,11 +79,11 @@ class HFNaive:
         )
         return out[0, ids.shape[1]:].tolist()
 
-    def warmup(self, requests: Sequence[Request]) -> None:
+    def warmup(self, requests: Sequence[WorkloadRequest]) -> None:
         for r in requests:
             self._one(r)
 
-    def run(self, requests: Sequence[Request]) -> RunResult:
+    def run(self, requests: Sequence[WorkloadRequest]) -> RunResult:
         start = time.perf_counter()
         outputs = [self._one(r) for r in requests]
         return RunResult(time.perf_counter() - start, outputs)
@@ -106,7 +106,7 @@ class HFStatic:
         self.generated_per_batch: List[int] = []  # tokens actually generated per row (batch max)
 
     @torch.inference_mode()
-    def _batch(self, batch: Sequence[Request]) -> List[List[int]]:
+    def _batch(self, batch: Sequence[WorkloadRequest]) -> List[List[int]]:
         width = max(len(r.prompt_token_ids) for r in batch)
         ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -120,16 +120,16 @@ class HFStatic:
         self.generated_per_batch.append(new.shape[1])
         return [new[row, : r.max_tokens].tolist() for row, r in enumerate(batch)]
 
-    def _all(self, requests: Sequence[Request]) -> List[List[int]]:
+    def _all(self, requests: Sequence[WorkloadRequest]) -> List[List[int]]:
         outputs: List[List[int]] = []
         for i in range(0, len(requests), self.batch_size):
             outputs += self._batch(requests[i: i + self.batch_size])
         return outputs
 
-    def warmup(self, requests: Sequence[Request]) -> None:
+    def warmup(self, requests: Sequence[WorkloadRequest]) -> None:
         self._all(requests)
 
-    def run(self, requests: Sequence[Request]) -> RunResult:
+    def run(self, requests: Sequence[WorkloadRequest]) -> RunResult:
         self.generated_per_batch = []
         start = time.perf_counter()
         outputs = self._all(requests)
@@ -175,7 +175,7 @@ class TransformersCB:
         # Its per-run INFO/WARNING chatter (warmup, prefix sharing) would drown the benchmark's output.
         logging.getLogger("transformers.generation.continuous_batching").setLevel(logging.ERROR)
 
-    def run(self, requests: Sequence[Request]) -> RunResult:
+    def run(self, requests: Sequence[WorkloadRequest]) -> RunResult:
         # No inference_mode here: the manager's thread updates tensors it created in place.
         # A fresh manager per run (outside the timed region: it allocates the KV cache and warms up),
         # as generate_batch does; timing starts when requests are handed over.
@@ -208,7 +208,7 @@ class TransformersCB:
             manager.destroy()
         return RunResult(wall, [list(results[f"r{i}"]) for i in range(len(requests))], {"resolved": self.resolved})
 
-    def warmup(self, requests: Sequence[Request]) -> None:
+    def warmup(self, requests: Sequence[WorkloadRequest]) -> None:
         self.run(requests)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from typing import List, Sequence
 
 
 @dataclass(frozen=True)
-class Request:
+class WorkloadRequest:
     prompt_token_ids: List[int]
     max_tokens: int
 
@@ -24,7 +24,7 @@ class Request:
 @dataclass(frozen=True)
 class Workload:
     name: str
-    requests: List[Request]
+    requests: List[WorkloadRequest]
     cap: int = 0  # the output-length cap it was drawn with (0: none)
 
     @property
@@ -83,7 +83,7 @@ def variance_workloads(
     prompts = random_prompts(num_prompts, prompt_len, token_range, seed)
     draws = exponential_draws(num_prompts, mean_output, seed)
     return [
-        Workload(f"cap{cap}", [Request(p, n) for p, n in zip(prompts, capped_lengths(draws, cap))], cap)
+        Workload(f"cap{cap}", [WorkloadRequest(p, n) for p, n in zip(prompts, capped_lengths(draws, cap))], cap)
         for cap in caps
     ]
 

@@ -6,9 +6,10 @@ serve.run ~6 s on this machine), with the test applications deployed lazily, eac
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+
+from cluster.local_serve import LocalServe, free_port, local_serve
 
 # Replica processes inherit the driver's environment when ray.init starts the cluster here.
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
@@ -19,32 +20,22 @@ SMOL = "smollm2-135m-instruct"
 SMOL_ENGINE = {"model": SMOL, "num_threads": 2, "kv_cache_memory_gib": 0.25}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServeCluster:
-    """A running Ray cluster with Serve's HTTP proxy on `port` and the node's Prometheus metrics on
-    `metrics_port`; deploys test apps on demand."""
+    """The session's running Serve (`server`: its HTTP and metrics ports); deploys test apps on demand,
+    each once."""
 
-    def __init__(self, port: int, metrics_port: int):
-        self.port = port
-        self.metrics_port = metrics_port
+    def __init__(self, server: LocalServe):
+        self.server = server
+        self.metrics_port = server.metrics_port
         self._apps: dict = {}
 
     def url(self, app: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{app}"
+        return f"{self.server.url}/{app}"
 
     def deploy(self, name: str, config: dict) -> str:
         """Deploys `config` (AppConfig as a dict) as app `name` at /name once; returns its URL."""
         if name not in self._apps:
-            from ray import serve
-
-            from deployments.app import build_app
-
-            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+            self.server.deploy(name, config)
             self._apps[name] = config
         return self.url(name)
 
@@ -58,20 +49,10 @@ class ServeCluster:
 
 @pytest.fixture(scope="session")
 def serve_cluster():
-    import ray
-    from ray import serve
-
-    # The metrics agent runs without the dashboard too; a known port lets tests scrape it.
-    metrics_port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,  # never a user's cluster
-             _metrics_export_port=metrics_port)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield ServeCluster(port, metrics_port)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    # A cluster of its own (never a user's); the metrics agent runs without the dashboard too, and a
+    # known port lets tests scrape it.
+    with local_serve(num_cpus=2, metrics_port=free_port()) as server:
+        yield ServeCluster(server)
 
 
 def tiny_config(**replica) -> dict:

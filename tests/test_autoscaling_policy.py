@@ -2,13 +2,17 @@
 (`_apply_autoscaling_config`: factors, delays) and bounds, as the controller runs it."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
+# Private in Ray 2.60, no public equivalent: the point type of AutoscalingContext.raw_metrics, and the
+# wrapper Serve's controller puts around every policy.
 from ray.serve._private.common import TimeStampedValue
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from cluster.autoscaling import POLICY_PATH, QueueDepthPolicy, queue_depth_policy
 from deployments.app import build_app, llm_deployment_options, load_config
+from deployments.autoscaling import POLICY_PATH, QueueDepthPolicy, queue_depth_policy
 from deployments.config import AutoscalingConfig as AppAutoscaling
 
 T = 10.0  # target_running in these tests
@@ -228,6 +232,31 @@ def test_startup_is_measured_from_ask_to_running():
     assert state["iterserve_startup_s"] == 45.0
 
 
+def test_saturation_at_max_replicas_is_not_a_start_up():
+    # Replicas that run 4 at 1 req/s each (as in the queue-wait test), clamped at max_replicas 2: the
+    # policy wants more but no replica has to start, so nothing is measured as a start-up.
+    p = policy(max_queue_wait_s=2.0, queue_drain_s=60.0, startup_s=30.0)
+    n, state = p(ctx(2, running=[4, 4], waiting=[6, 6], finished=[1.0, 1.0], now=0, hi=2))
+    assert n == 2
+    n, state = p(ctx(2, running=[4, 4], waiting=[11, 11], finished=[1.0, 1.0], now=5, hi=2, state=state))
+    assert n == 2
+    assert "iterserve_startup_s" not in state
+    # The bound goes up (the operator raised it, or the cluster has room again) with the queue still
+    # growing 2 req/s: new replicas find it grown for the configured 30 s start-up, not for one tick:
+    # (4 + (32 + 2 x 30) / 60) x 4 / 4 = 5.5 -> 6 (a 5 s "start-up" would give 4.7 -> 5).
+    n, state = p(ctx(2, running=[4, 4], waiting=[16, 16], finished=[1.0, 1.0], now=10, state=state))
+    assert n == 6
+    # A start-up that was measured stays measured through a saturation at the bound.
+    p = policy(startup_s=30.0)
+    _, state = p(ctx(2, running=[10, 10], handle_queued=75, now=100, hi=10))
+    _, state = p(ctx(10, ready=10, running=[10] * 10, handle_queued=40, state=state, now=145, hi=10))
+    assert state["iterserve_startup_s"] == 45.0
+    for t in (146, 147, 148):
+        n, state = p(ctx(10, running=[10] * 10, handle_queued=40, state=state, now=t, hi=10))
+        assert n == 10
+    assert state["iterserve_startup_s"] == 45.0
+
+
 def test_growth_lead_sizes_for_demand_a_start_up_ahead():
     # 18 of 20 running and growing 1 req/s: reactive keeps 2 replicas; growth_lead 1 sizes for
     # 18 + 1 x 30 s = 48 -> 5 replicas.
@@ -298,6 +327,9 @@ def test_app_config_defaults_knobs_and_serves_policy_selectable():
                                                                "policy_kwargs": {"target_running": 20}}}))
     auto = opts["autoscaling_config"]
     assert auto["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": {"target_running": 20}}
+    # The path Serve's controller imports names this class (a stale path fails only at deploy time).
+    module, _, name = POLICY_PATH.partition(":")
+    assert getattr(importlib.import_module(module), name) is QueueDepthPolicy
     assert auto["upscale_delay_s"] == auto["downscale_delay_s"] == 0 and auto["metrics_interval_s"] <= 1
     env = opts["ray_actor_options"]["runtime_env"]["env_vars"]
     assert float(env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"]) <= 1

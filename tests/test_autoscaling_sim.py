@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cluster import simulate
-from cluster.fleet_sim import FleetSim, Workload
+from cluster.fleet_sim import SimWorkload
 from cluster.traces import Trace, day_trace, load_csv, write_csv
 
 STARTUP_S = 60.0
@@ -25,7 +25,7 @@ def trace():
 
 @pytest.fixture(scope="module")
 def runs(trace):
-    work = Workload()
+    work = SimWorkload()
     results = simulate.run_all(trace, work, STARTUP_S, slo_s=1.0, max_replicas=200, target_running=96,
                                dt_s=0.5, seed=1)
     return {n: (r, simulate.summary(r, trace, 1.0)) for n, r in results.items()}
@@ -40,7 +40,7 @@ def test_burst_jumps_to_the_needed_count_in_one_decision(runs, trace):
     res, _ = runs["queue_depth"]
     t, target = np.array(res.t), np.array(res.target)
     assert np.diff(target).max() >= 5  # not one replica per tick
-    work = Workload()
+    work = SimWorkload()
     need = 600 / work.throughput_rps(96)  # replicas at target_running for 600 req/s
     # While the first new replicas start (600 s .. 660 s) the 11 replicas sized for 200 req/s serve
     # what they can at full speed and the rest queues: the burst asks for the rate plus draining that
@@ -108,6 +108,6 @@ def test_breakdown_phases_and_attribution(runs, trace):
 def test_reactive_bound_buys_slo_with_headroom(trace):
     from cluster.breakdown import reactive_bound
 
-    work = Workload()
+    work = SimWorkload()
     lean, wide = (reactive_bound(trace, work, STARTUP_S, h, slo_s=1.0, dt_s=0.5, seed=1) for h in (1.0, 2.0))
     assert wide.within_slo > lean.within_slo and wide.replica_seconds > 1.5 * lean.replica_seconds

@@ -156,9 +156,11 @@ def test_concurrency_and_duration_bounds(tiny_app):
     assert len(res.records) == 8 and all(r.ok for r in res.records)
     events = sorted([(r.start_s, 1) for r in res.records] + [(r.start_s + r.e2e_s, -1) for r in res.records])
     assert max(np.cumsum([d for _, d in events])) <= 2
-    arrivals = arrival_offsets(8, 4.0, seed=5)
+    # Arrivals far from the 1 s bound on either side: what is sent does not hang on how late the
+    # event loop wakes on a busy machine.
+    arrivals = [0.0, 0.1, 0.2, 0.3, 2.0, 2.1, 2.2, 2.3]
     res = asyncio.run(run_load(Target(tiny_app, api="completions"), reqs, arrivals, duration_s=1.0))
-    assert len(res.records) == sum(a < 1.0 for a in arrivals) < 8
+    assert sorted(r.index for r in res.records) == [0, 1, 2, 3]
 
 
 def test_multi_turn_chats_carry_the_answer_into_the_next_turn(tiny_app):

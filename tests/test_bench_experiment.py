@@ -7,10 +7,10 @@ import pytest
 
 from batcher import EngineConfig, LLMEngine, SamplingParams
 from batcher.trace import FINISHED, GENERATED, IDLE, PROMPT
+from conftest import tiny_config
 from load_tests import experiment
 from load_tests.experiment_report import saturation_rate, targets, write_report
 from load_tests.occupancy import occupancy_pair
-from load_tests.plots import plot_occupancy
 from load_tests.workload import capped_lengths, exponential_draws, random_prompts
 
 LENGTHS = capped_lengths(exponential_draws(12, 6.0, seed=1), 20)
@@ -29,10 +29,6 @@ def _traced_run(scheduling: str, slots: int = 4, trace_steps: int = 1000):
 def _cells_of(trace, rid):
     return [(t, step.cells[slot]) for t, step in enumerate(trace.steps)
             for slot, r in step.request_ids.items() if r == rid]
-
-
-def test_trace_is_off_by_default():
-    assert LLMEngine(EngineConfig(model="tiny-llama", num_threads=1, num_kv_blocks=64)).trace is None
 
 
 @pytest.mark.parametrize("scheduling", ["static", "continuous"])
@@ -87,8 +83,6 @@ def test_saturation_and_targets_are_computed_from_the_rows():
 
 
 def test_experiment_report_from_real_sweeps_writes_plots_page_and_json(serve_cluster, tiny_app, tmp_path):
-    from tests.conftest import tiny_config
-
     static_cfg = tiny_config()
     static_cfg["engine"].update(scheduling="static", static_batch_size=4)
     urls = {"static": serve_cluster.deploy("bench-static", static_cfg), "continuous": tiny_app}
@@ -111,8 +105,3 @@ def test_experiment_report_from_real_sweeps_writes_plots_page_and_json(serve_clu
     assert [o["stats"]["scheduling"] for o in saved["occupancy"]] == ["static", "continuous"]
     assert saved["occupancy"][0]["trace"]["steps"]
 
-
-def test_plot_occupancy_writes_a_png_from_a_real_trace(tmp_path):
-    trace = _traced_run("static")
-    path = plot_occupancy([("static", trace.grid(4))], tmp_path / "occ.png")
-    assert path.read_bytes()[:4] == b"\x89PNG"

@@ -77,3 +77,44 @@ def test_burst_scales_up_and_back_without_losing_a_request(local_cluster):
     assert result["nodes_with_replicas"] > 1
     # Every request sent during scale-up and scale-down was answered in full.
     assert result["sent"] > 50 and result["failed"] == 0 and result["ok"] == result["sent"], result["errors"]
+
+
+_LOCAL_SERVE_SCRIPT = """
+import json, os, socket, time
+import httpx, ray
+from cluster.local_serve import local_serve
+
+os.environ["RAY_ADDRESS"] = "127.0.0.1:1"  # a user's cluster, named in the environment: never joined
+seen = {}
+try:
+    with local_serve(num_cpus=1, logging_level="ERROR") as server:
+        seen["gcs"] = ray.get_runtime_context().gcs_address
+        deadline = time.monotonic() + 60
+        while "proxy" not in seen and time.monotonic() < deadline:  # it listens soon after serve.start
+            try:
+                # Serve's proxy answers (503 until it has a route table: no app is deployed here).
+                seen["proxy"] = httpx.get(server.url + "/-/healthz", timeout=5).text
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError("the block fails")
+except RuntimeError as e:
+    seen["raised"] = str(e)
+
+def listening(address):
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        return s.connect_ex((host, int(port))) == 0
+
+seen.update(initialized=ray.is_initialized(), proxy_listening=listening(server.url[7:]),
+            gcs_listening=listening(seen["gcs"]))
+print(json.dumps(seen))
+"""
+
+
+def test_local_serve_starts_its_own_cluster_and_stops_serve_and_ray_on_error():
+    out = subprocess.run([sys.executable, "-c", _LOCAL_SERVE_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                         timeout=180, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["gcs"] != "127.0.0.1:1" and "proxy" in seen and seen["raised"] == "the block fails"
+    assert not seen["initialized"] and not seen["proxy_listening"] and not seen["gcs_listening"]

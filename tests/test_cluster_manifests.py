@@ -12,6 +12,7 @@ from ray.autoscaler._private.util import validate_config
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import llm_deployment_options, load_config
+from deployments.autoscaling import POLICY_PATH
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +47,7 @@ def test_rayservice_embeds_the_gpu_serve_config():
     (app,) = ServeDeploySchema.model_validate(serve).applications
     cfg = load_config(app.args)
     opts = llm_deployment_options(cfg)  # the options Serve would get: autoscaling validated by Serve
-    assert opts["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:QueueDepthPolicy"
+    assert opts["autoscaling_config"]["policy"]["policy_function"] == POLICY_PATH  # the queue-depth policy
     gpu_args = _gpu_app_args()
     for section in ("engine", "replica", "autoscaling"):
         assert app.args[section] == gpu_args[section], section

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import _free_port
+from cluster.local_serve import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "ITERSERVE_MAKE_SERVE_TEST"
@@ -56,7 +56,7 @@ def tiny_serve_config(path: Path, port: int) -> Path:
 
 @pytest.mark.slow
 def test_ctrl_c_on_make_serve_stops_everything_it_started(tmp_path):
-    port, token = _free_port(), uuid.uuid4().hex
+    port, token = free_port(), uuid.uuid4().hex
     config = tiny_serve_config(tmp_path / "serve_config.yaml", port)
     # RAY_ADDRESS=local: `serve run` must start a new local cluster, never attach to this session's
     # Ray (ray.init exported its address) or to a `ray start` cluster another job left on the machine.

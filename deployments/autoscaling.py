@@ -13,7 +13,8 @@ What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged 
     capacity  = target_running sequences per replica, running and starting ones alike (capacity on the
                 way: a burst is not counted twice while its replicas start); a replica whose KV cache
                 is full or that preempted counts only what it runs now (it admits no more)
-    start-up  = measured from an ask to the replicas running (+ warmup_s); startup_s until measured
+    start-up  = measured from an ask for replicas that must start to their running (+ warmup_s);
+                startup_s until measured
     up        : running sequences over capacity -> straight to the count that covers them; and when
                 the expected wait exceeds max_queue_wait_s and demand is not falling, enough replicas
                 for the arrival rate (completions + growth of the queue) plus draining a backlog within
@@ -43,7 +44,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-POLICY_PATH = "cluster.autoscaling:QueueDepthPolicy"
+POLICY_PATH = "deployments.autoscaling:QueueDepthPolicy"
 SERVE_POLICY_PATH = "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"
 
 # Metric names LLMServer.record_autoscaling_stats reports.
@@ -52,7 +53,7 @@ _LOW_SINCE = "iterserve_low_since"  # policy_state: when the fleet last started 
 _STEPPING = "iterserve_stepping_down"  # policy_state: a removal happened since the last rise
 _HISTORY = "iterserve_demand"  # policy_state: recent (time, requests in the system, queued), for growth rates
 _LAST_UP = "iterserve_last_up"  # policy_state: when replicas were last added
-_ASK = "iterserve_ask"  # policy_state: (time, count) of the oldest ask not yet running
+_ASK = "iterserve_ask"  # policy_state: (time, count) of the oldest ask for replicas to start, not yet running
 _STARTUP = "iterserve_startup_s"  # policy_state: measured start-up seconds
 _RISE = "iterserve_rise"  # policy_state: when the replicas now starting were first asked for
 _TOO_SMALL = "iterserve_too_small"  # policy_state: (time, count, demand) of the last fleet that had to grow
@@ -92,8 +93,8 @@ class QueueDepthPolicyConfig(BaseModel):
                                     "(one replica each; shorter the further load is below the headroom).")
     reversal_guard_s: float = Field(
         600.0, ge=0, description="After a fleet of N replicas had to grow, no removal back to N for this "
-        "long unless demand has halved since: near saturation, running sequences fall as replicas are added (faster steps), so a fleet "
-        "that looks roomy would be too small again one replica down.")
+        "long unless demand has halved since: near saturation, running sequences fall as replicas are "
+        "added (faster steps), so a fleet that looks roomy would be too small again one replica down.")
     scale_to_zero_dwell_s: float = Field(
         300.0, ge=0, description="No request at all for this long before the last replica leaves "
         "(only with min_replicas 0).")
@@ -120,7 +121,7 @@ def _replicas_for(load: float, per_replica: float) -> int:
 
 
 class QueueDepthPolicy:
-    """`policy: cluster.autoscaling:QueueDepthPolicy`; Serve instantiates it once with policy_kwargs
+    """`policy: deployments.autoscaling:QueueDepthPolicy`; Serve instantiates it once with policy_kwargs
     and calls it with an AutoscalingContext each control tick."""
 
     def __init__(self, **policy_kwargs: Any):
@@ -187,8 +188,11 @@ class QueueDepthPolicy:
             state[_LAST_UP], state[_TOO_SMALL] = now, (now, target, demand)
             if not starting:
                 state[_RISE] = now
-            if state.get(_ASK) is None:
-                state[_ASK] = (now, min(desired, hi))
+            asked = min(desired, hi)
+            # Only replicas that must start time a start-up: clamped at max_replicas, the count asked
+            # for already runs, and the next tick would "measure" one tick and shrink the backlog.
+            if state.get(_ASK) is None and asked > max(target, ready):
+                state[_ASK] = (now, asked)
         if desired > target or queued > 0 or pressured:
             state[_LOW_SINCE], state[_STEPPING] = None, False
         else:

@@ -1,0 +1,37 @@
+"""A model's context length is decided in one place: the engine and the deploy (the graceful
+shutdown window, sized from it) read the same value from the model's config."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig
+
+from batcher import EngineConfig, LLMEngine
+from batcher.model_loader import load_tokenizer
+from deployments.app import ConfigError, llm_deployment_options, load_config
+from deployments.shutdown import model_len
+
+
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory):
+    """A local Mistral-family model whose sliding window (256) is shorter than its positions (4096)."""
+    path = tmp_path_factory.mktemp("windowed")
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                           sliding_window=256, bos_token_id=1, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    load_tokenizer("smollm2-135m-instruct").save_pretrained(path)
+    return str(path)
+
+
+def test_the_deploy_sizes_the_shutdown_window_from_the_engines_context_length(windowed_model):
+    engine = LLMEngine(EngineConfig(model=windowed_model, num_kv_blocks=64))
+    assert engine.max_model_len == 256
+    assert model_len(EngineConfig(model=windowed_model)) == 256
+    options = llm_deployment_options(load_config({"engine": {"model": windowed_model},
+                                                  "replica": {"shutdown_token_s": 1.0}}))
+    assert options["graceful_shutdown_timeout_s"] == 256 + 2 * 2  # 256 tokens at 1 s, plus two checks
+
+
+def test_a_max_model_len_beyond_the_model_fails_the_deploy(windowed_model):
+    with pytest.raises(ConfigError, match="max_model_len 1024 exceeds what the model supports \\(256\\)"):
+        llm_deployment_options(load_config({"engine": {"model": windowed_model, "max_model_len": 1024}}))
