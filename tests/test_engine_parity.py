@@ -49,7 +49,9 @@ def test_tiny_token_budget_chunks_prefill(case):
     name, prompts, expected = case
     engine, outs = run(name, prompts, max_num_batched_tokens=8)
     check(outs, expected, engine)
-    assert max(len(p) for p in prompts) > 8  # so prompts really were split
+    assert max(len(p) for p in prompts) > 8  # so prompts really were split...
+    stats = engine.stats()
+    assert stats.tokens_computed <= 8 * stats.steps  # ...and no step computed more than the budget
 
 
 def test_small_steps_on_fewer_threads(case):

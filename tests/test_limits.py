@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from deployments.auth import APIKeyAuth, APIKeyConfigError, APIKeys, load_api_keys
 from deployments.config import AppConfig, LimitsConfig
 from deployments.errors import APIError, validation_error
-from deployments.limits import BODY_OVERHEAD_BYTES, BodySizeLimit, RequestLimits
+from deployments.limits import BodySizeLimit, RequestLimits
 from deployments.protocol import GenerateRequest
 
 LIMITS = RequestLimits(LimitsConfig(), max_model_len=2048, vocab_size=1000)
@@ -20,7 +20,7 @@ def _refused(request: dict, limits: RequestLimits = LIMITS) -> APIError:
     with pytest.raises(APIError) as info:
         r = GenerateRequest(**request)
         limits.check_request(r)
-        limits.check_tokens(r.model_copy(update={"prompt_token_ids": r.prompt if isinstance(r.prompt, list) else []}))
+        limits.check_tokens(r.prompt_param, r.prompt if isinstance(r.prompt, list) else [])
     assert info.value.status_code == 400
     return info.value
 
@@ -69,16 +69,10 @@ def test_limits_follow_the_config():
 def test_within_limits_passes():
     r = GenerateRequest(prompt=[0, 999], stop=["s"] * 16, seed=2**63 - 1, top_k=1000, max_tokens=2046, logprobs=20)
     LIMITS.check_request(r)
-    LIMITS.check_tokens(r.model_copy(update={"prompt_token_ids": [0, 999]}))
+    LIMITS.check_tokens("prompt", [0, 999])
     LIMITS.check_user("u" * 256)
     with pytest.raises(APIError, match="max_user_chars = 256"):
         LIMITS.check_user("u" * 257)
-
-
-def test_body_limit_is_derived_from_the_context_window():
-    assert LIMITS.max_body_bytes == 2048 * 32 + BODY_OVERHEAD_BYTES
-    assert RequestLimits(LimitsConfig(max_body_bytes=4096), 2048, 1000).max_body_bytes == 4096
-    assert LIMITS.max_prompt_chars == 2048 * 32
 
 
 def _app(*middleware) -> TestClient:
@@ -143,6 +137,28 @@ def test_chunked_body_is_refused_once_past_the_limit():
     assert read == 10 and got == [{"type": "http.request", "body": b"x" * 1000, "more_body": False}]
 
 
+def test_derived_limits_admit_the_largest_allowed_request_and_grow_with_the_context():
+    """Unset, the prompt and body limits come from the context window: a request at every field limit
+    passes the body-size middleware and the checks, one more prompt character is refused, and a
+    longer window admits what a shorter one refuses. A configured body limit wins."""
+    wide = RequestLimits(LimitsConfig(), max_model_len=4096, vocab_size=1000)
+    for limits in (LIMITS, wide):
+        c = limits.config
+        largest = {"prompt": "x" * limits.max_prompt_chars, "stop": ["s" * c.max_stop_chars] * c.max_stop,
+                   "user": "u" * c.max_user_chars, "max_tokens": 1}
+        client = _app(_limit(limits.max_body_bytes))
+        assert client.post("/v1/echo", json=largest).status_code == 200
+        limits.check_user(largest.pop("user"))
+        limits.check_request(GenerateRequest(**largest))
+        _refused({**largest, "prompt": largest["prompt"] + "x"}, limits)
+    wide.check_request(GenerateRequest(prompt="x" * (LIMITS.max_prompt_chars + 1)))
+    assert wide.max_body_bytes > LIMITS.max_body_bytes
+    fixed = RequestLimits(LimitsConfig(max_body_bytes=4096), 2048, 1000)
+    client = _app(_limit(fixed.max_body_bytes))
+    assert client.post("/v1/echo", content=b"x" * 4096).status_code == 200
+    assert client.post("/v1/echo", content=b"x" * 4097).status_code == 413
+
+
 def test_api_keys(tmp_path, monkeypatch):
     keys = APIKeys(["k1", "k2"])
     client = _app((APIKeyAuth, {"keys": keys}))
@@ -178,8 +194,12 @@ def test_api_keys_load_from_env_and_file(tmp_path, monkeypatch):
         load_api_keys(None, str(tmp_path / "blank"))
 
 
-def test_config_holds_no_keys_and_refuses_unknown_limits():
+def test_config_holds_no_keys_and_its_limits_reach_the_checks():
     cfg = AppConfig.model_validate({"ingress": {"api_keys_env": "MY_KEYS", "limits": {"max_stop": 4}}})
-    assert cfg.ingress.limits.max_stop == 4 and cfg.ingress.cors_allow_origins == []
+    limits = RequestLimits(cfg.ingress.limits, 2048, 1000)
+    limits.check_request(GenerateRequest(prompt="x", stop=["s"] * 4))
+    assert "ingress.limits.max_stop = 4" in _refused({"prompt": "x", "stop": ["s"] * 5}, limits).message
+    with pytest.raises(ValueError, match="api_keys"):  # keys only by env var name or file path
+        AppConfig.model_validate({"ingress": {"api_keys": ["sk-inline"]}})
     with pytest.raises(ValueError, match="max_stops"):
         AppConfig.model_validate({"ingress": {"limits": {"max_stops": 4}}})

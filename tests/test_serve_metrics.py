@@ -121,7 +121,7 @@ def test_metrics_scraped_after_requests(serve_cluster, obs):
         ("ray_iterserve_errors_total", (("error_type", "invalid_request_error"), ("status_code", "400"))): 2,
         ("ray_iterserve_errors_total", (("error_type", "invalid_request_error"), ("status_code", "413"))): 1,
     }
-    deadline, got = time.monotonic() + 30, {}  # Ray exports custom metrics every few seconds
+    deadline, got = time.monotonic() + 60, {}  # Ray exports every few seconds; the deadline is against a hang
     while True:
         samples = _scrape(serve_cluster.metrics_port)
         got = {key: _total(samples, key[0], **dict(key[1])) for key in expected}
@@ -156,8 +156,8 @@ def _request_lines(app: str) -> list:
 
 
 def test_one_log_line_per_request_without_text(obs):
-    ok, errors = obs["ok"], obs["errors"]
-    deadline = time.monotonic() + 10
+    ok = obs["ok"]
+    deadline = time.monotonic() + 60  # against a hang only: the lines come as soon as Serve's log flushes
     while len(lines := _request_lines(APP)) < len(ok) + 2 and time.monotonic() < deadline:
         time.sleep(0.5)  # n=2 and the 413 are refused before a request id exists: no line for them
     by_id = {line["request_id"]: line for line in lines}
