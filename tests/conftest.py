@@ -6,6 +6,8 @@ serve.run ~6 s on this machine), with the test applications deployed lazily, eac
 from __future__ import annotations
 
 import os
+import time
+from typing import Callable, Optional
 
 import pytest
 
@@ -18,6 +20,30 @@ os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.
 TINY = "tiny-llama"
 SMOL = "smollm2-135m-instruct"
 SMOL_ENGINE = {"model": SMOL, "num_threads": 2, "kv_cache_memory_gib": 0.25}
+
+
+def wait_until(predicate: Callable[[], Optional[object]], timeout_s: float, what: str):
+    """Polls `predicate` until it returns something truthy (returned); fails naming `what` after
+    `timeout_s`. The deadline only guards against a hang: a slow machine waits longer, never fails."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+    return got
+
+
+def replica_stats(app: str, replicas: int = 2) -> dict:
+    """Engine stats of every LLM replica of `app`, by replica id (the handle reaches a random one)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app)
+    seen: dict = {}
+    for _ in range(200):
+        s = handle.stats.remote().result()
+        seen[s["replica_id"]] = s
+        if len(seen) == replicas:
+            return seen
+    raise AssertionError(f"reached only {len(seen)} of {replicas} replicas")
 
 
 class ServeCluster:

@@ -12,7 +12,7 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from deployments.app import build_app, llm_deployment_options, load_config
-from deployments.autoscaling import POLICY_PATH, QueueDepthPolicy, queue_depth_policy
+from deployments.autoscaling import POLICY_PATH, SERVE_POLICY_PATH, QueueDepthPolicy, queue_depth_policy
 from deployments.config import AutoscalingConfig as AppAutoscaling
 
 T = 10.0  # target_running in these tests
@@ -322,21 +322,59 @@ def test_plain_function_form_uses_default_knobs():
     assert n == 2
 
 
-def test_app_config_defaults_knobs_and_serves_policy_selectable():
-    opts = llm_deployment_options(load_config({"autoscaling": {"min_replicas": 0, "max_replicas": 4,
-                                                               "policy_kwargs": {"target_running": 20}}}))
-    auto = opts["autoscaling_config"]
-    assert auto["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": {"target_running": 20}}
+def test_the_built_options_leave_the_queue_depth_policy_its_own_timing():
+    """The app's autoscaling options, through Serve's wrapper as the controller applies them: every
+    decision of the queue-depth policy comes out as the policy made it (its own dwell; no Serve
+    delay, factor or smoothing on top), over a burst, the steps down and scale to zero."""
+    knobs = {"target_running": T, "downscale_dwell_s": 10, "downscale_step_s": 5, "scale_to_zero_dwell_s": 100}
+    auto = llm_deployment_options(load_config({"autoscaling": {"min_replicas": 0, "max_replicas": 8,
+                                                               "policy_kwargs": knobs}}))["autoscaling_config"]
+    assert auto["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": knobs}
     # The path Serve's controller imports names this class (a stale path fails only at deploy time).
     module, _, name = POLICY_PATH.partition(":")
     assert getattr(importlib.import_module(module), name) is QueueDepthPolicy
-    assert auto["upscale_delay_s"] == auto["downscale_delay_s"] == 0 and auto["metrics_interval_s"] <= 1
-    env = opts["ray_actor_options"]["runtime_env"]["env_vars"]
-    assert float(env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"]) <= 1
-    assert float(env["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"]) <= 1
-    serve_policy = "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"
-    auto = llm_deployment_options(load_config({"autoscaling": {"policy": serve_policy}}))["autoscaling_config"]
-    assert auto["upscale_delay_s"] == 30 and auto["downscale_delay_s"] == 600
+    config = AutoscalingConfig(**auto)
+    bare, wrapped = QueueDepthPolicy(**knobs), _apply_autoscaling_config(QueueDepthPolicy(**knobs))
+    target, bare_state, wrapped_state, decisions = 1, {}, {}, []
+    for t in range(400):
+        demand = 5 if t < 5 else 60 if t < 30 else 20 if t < 200 else 0
+        running = [demand / target] * target if target else []
+        n, bare_state = bare(ctx(target, running=running, now=t, lo=0, hi=8, state=bare_state, config=config))
+        w, wrapped_state = wrapped(ctx(target, running=running, now=t, lo=0, hi=8, state=wrapped_state,
+                                       config=config))
+        assert w == n, (t, w, n)
+        decisions.append(n)
+        target = n
+    steps = [b - a for a, b in zip(decisions, decisions[1:]) if b != a]
+    assert max(steps) >= 5 and steps.count(-1) >= 3 and decisions[-1] == 0, decisions  # each case was met
+
+
+def test_serves_policy_selected_keeps_serves_own_timing():
+    """Selecting Serve's policy brings back Serve's own delays (those of Serve's defaults, not ours):
+    through the wrapper a burst waits, where the queue-depth policy acts at once."""
+    auto = llm_deployment_options(load_config({"autoscaling": {"policy": SERVE_POLICY_PATH,
+                                                               "max_replicas": 100}}))["autoscaling_config"]
+    config, serves = AutoscalingConfig(**auto), AutoscalingConfig()
+    for field in ("look_back_period_s", "upscale_delay_s", "downscale_delay_s"):
+        assert getattr(config, field) == getattr(serves, field), field
+    module, _, name = SERVE_POLICY_PATH.partition(":")
+    serve_policy = _apply_autoscaling_config(getattr(importlib.import_module(module), name))
+    burst = dict(running=[32, 32], handle_queued=300, config=config)
+    wants, _ = getattr(importlib.import_module(module), name)(ctx(2, **burst))
+    n, _ = serve_policy(ctx(2, **burst))
+    assert wants > 2 and n == 2  # Serve's policy wants more; its upscale delay holds the burst back
+
+
+def test_the_metric_push_interval_follows_the_config_in_every_process():
+    """Ray 2.60 reads the interval from autoscaling_config; later versions from the environment of the
+    processes holding handles (the ingress) and serving replicas: all three follow the config."""
+    ingress = build_app({"engine": {"model": "sim:cpu-smollm2"}, "autoscaling": {"metrics_interval_s": 0.7}})
+    llm = ingress._bound_deployment.init_args[0]._bound_deployment
+    assert llm._deployment_config.autoscaling_config.metrics_interval_s == 0.7
+    for d in (ingress._bound_deployment, llm):
+        env = d.ray_actor_options["runtime_env"]["env_vars"]
+        assert env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] == "0.7"
+        assert env["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] == "0.7"
 
 
 def test_unknown_policy_knob_fails_the_deploy():
@@ -359,10 +397,11 @@ def test_graceful_window_sized_from_max_model_len():
 
 
 def test_ingress_waits_as_long_as_the_llm_replicas():
-    """A redeploy replaces the ingress too; it relays the streams, so it keeps the LLM's window
-    (Serve's default, 20 s, would cut longer streams)."""
-    ingress = build_app({"engine": {"model": "sim:cpu-smollm2"}, "replica": {"graceful_shutdown_timeout_s": 90}})
+    """A redeploy replaces the ingress too; it relays the streams, so it keeps the LLM's window and
+    its checks (Serve's default, 20 s, would cut longer streams)."""
+    ingress = build_app({"engine": {"model": "sim:cpu-smollm2"},
+                         "replica": {"graceful_shutdown_timeout_s": 90, "graceful_shutdown_wait_loop_s": 3}})
     llm = ingress._bound_deployment.init_args[0]._bound_deployment
     for d in (ingress._bound_deployment, llm):
         assert d._deployment_config.graceful_shutdown_timeout_s == 90
-        assert d._deployment_config.graceful_shutdown_wait_loop_s == 2
+        assert d._deployment_config.graceful_shutdown_wait_loop_s == 3

@@ -3,6 +3,7 @@ trace: steady load, then a 3x burst that holds, then back. About 20 s."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,18 +76,36 @@ def test_no_oscillation_in_steady_load(runs):
     assert runs["queue_depth"][1]["reversals_steady"] == 0
 
 
-def test_cli_writes_json_and_a_png_per_policy(tmp_path):
+def test_cli_report_figures_agree_with_each_other(tmp_path):
     path = tmp_path / "trace.csv"
     write_csv(day_trace(peak_rps=60, hours=0.25), str(path))
     assert load_csv(str(path)).duration_s == pytest.approx(900, abs=1)
     out = tmp_path / "out"
     assert simulate.main(["--trace", str(path), "--startup-s", "30", "--out", str(out), "--dt-s", "0.5"]) == 0
     report = json.loads((out / "simulate.json").read_text())
+    assert report["duration_s"] == pytest.approx(900, abs=1)
     (run,) = report["runs"]
-    assert set(run["policies"]) == {"queue_depth", "serve_default", "clairvoyant"}
-    assert {t["target"] for t in run["targets"]} and all(isinstance(t["met"], bool) for t in run["targets"])
-    for png in run["plots"]:
-        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    pol = run["policies"]
+    q, d, c = pol["queue_depth"], pol["serve_default"], pol["clairvoyant"]
+    # One trace, one seed: every policy got the same requests, and served them all.
+    assert len({p["requests"] for p in pol.values()}) == 1
+    assert all(p["served"] == p["requests"] and p["unserved_at_end"] == 0 for p in pol.values()), pol
+    # The bound costs least, and Serve's delays cost the most.
+    assert c["replica_seconds"] <= q["replica_seconds"] < d["replica_seconds"]
+    # Each target is computed from these figures, and its verdict from its value.
+    checks = {t["target"].strip(): t for t in run["targets"]}
+    saving = checks["replica-seconds saved vs serve_default"]
+    assert saving["value"] == pytest.approx(1 - q["replica_seconds"] / d["replica_seconds"])
+    assert saving["met"] == (saving["value"] >= simulate.TARGETS["saving_vs_serve"])
+    ratio = checks["replica-seconds / clairvoyant"]
+    assert ratio["value"] == pytest.approx(q["replica_seconds"] / c["replica_seconds"])
+    assert ratio["met"] == (ratio["value"] <= simulate.TARGETS["x_clairvoyant"])
+    slo = checks["queue_depth slo_share"]
+    assert slo["value"] == q["slo_share"] and slo["met"] == (q["slo_share"] >= simulate.TARGETS["slo_share"])
+    ttft = checks["... at p99 TTFT <= serve_default's"]
+    assert ttft["value"] == q["ttft_p99_s"] and ttft["met"] == (q["ttft_p99_s"] <= d["ttft_p99_s"])
+    # One plot per policy, named after it.
+    assert [Path(p).name for p in run["plots"]] == [f"{name}_startup30.png" for name in pol]
 
 
 def test_breakdown_phases_and_attribution(runs, trace):

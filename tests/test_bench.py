@@ -61,14 +61,18 @@ def test_serving_bench_config_moves_the_port_and_sets_the_engine_threads():
 
     path = str(Path(__file__).resolve().parent.parent / "serve_config.yaml")
     plain = run_config(path, 8123)
-    config = run_config(path, 8123, {"engine": {"num_threads": 1}, "replica": {"num_cpus": 1}})
+    before = plain["applications"][0]["args"]
+    # Values the user's config does not have, so that taking effect is visible.
+    threads, cpus = before["engine"].get("num_threads", 1) + 1, before["replica"].get("num_cpus", 1) + 1
+    config = run_config(path, 8123, {"engine": {"num_threads": threads}, "replica": {"num_cpus": cpus}})
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}
-    args, before = config["applications"][0]["args"], plain["applications"][0]["args"]
-    assert before["engine"]["num_threads"] == 2 and args["engine"]["num_threads"] == 1
-    assert args["replica"]["num_cpus"] == 1
+    args = config["applications"][0]["args"]
+    assert args["engine"]["num_threads"] == threads and args["replica"]["num_cpus"] == cpus
     # Only the named fields change; the rest is the user's config, still valid.
     assert {k: v for k, v in args["engine"].items() if k != "num_threads"} == \
         {k: v for k, v in before["engine"].items() if k != "num_threads"}
+    assert {k: v for k, v in args["replica"].items() if k != "num_cpus"} == \
+        {k: v for k, v in before["replica"].items() if k != "num_cpus"}
     assert args["router"] == before["router"] and args["autoscaling"] == before["autoscaling"]
     AppConfig(**args)
 

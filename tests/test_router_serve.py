@@ -1,10 +1,8 @@
-"""LLMRouter on real Serve, over HTTP, with 4 simulated replicas per app (sim:cpu-smollm2: steps of
-tens of milliseconds that sleep, so 8 replicas fit on 2 cores)."""
+"""LLMRouter on real Serve, over HTTP and through handles, with 4 simulated replicas per app
+(sim:cpu-smollm2: steps of tens of milliseconds that sleep, so 8 replicas fit on 2 cores)."""
 from __future__ import annotations
 
 import asyncio
-import time
-
 import concurrent.futures
 
 import httpx
@@ -12,8 +10,8 @@ import pytest
 
 from batcher.block_hash import cacheable_block_hashes, root_hash
 from batcher.sampling_params import SamplingParams
+from conftest import replica_stats, wait_until
 from deployments.protocol import PreparedRequest
-from tests.test_serve_replicas import replica_stats
 
 pytestmark = pytest.mark.slow
 
@@ -79,43 +77,53 @@ def test_shared_prefix_chats_get_more_cached_tokens_than_serves_default(sim_apps
     assert shares["llm"] > 1.25 * shares["default"] and shares["llm"] > 0.5, shares
 
 
-def test_a_replica_whose_kv_is_full_gets_no_new_requests(sim_apps):
-    url = sim_apps["llm"]
-    before = replica_stats("simllm", REPLICAS)
-
-    async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
-            def completion(prompt, max_tokens):
-                return client.post(f"{url}/v1/completions",
-                                   json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
-            # Three requests that each fill a replica's 256 KV blocks (1990 + 40 tokens of 2048).
-            longs = [asyncio.ensure_future(completion([300 + i] * 1990, 40)) for i in range(3)]
-            deadline = time.monotonic() + 60
-            while True:  # until three replicas report (almost) no free block
-                stats = await asyncio.to_thread(replica_stats, "simllm", REPLICAS)  # .result() refuses a loop
-                full = [s for s in stats.values() if s["kv_blocks_free"] <= 6]
-                if len(full) == 3:
-                    break
-                assert time.monotonic() < deadline, "the long requests never filled three replicas"
-                await asyncio.sleep(0.1)
-            await asyncio.sleep(0.6)  # reports reach the routers every 0.2 s
-            shorts = await asyncio.gather(*(completion([700 + i] * 120, 4) for i in range(6)))
-            return shorts, await asyncio.gather(*longs)
-
-    shorts, longs = asyncio.run(run())
-    assert all(r.status_code == 200 for r in shorts + longs)
-    after = replica_stats("simllm", REPLICAS)
-    served = {rid: after[rid]["finished_requests"] - before[rid]["finished_requests"] for rid in after}
-    # The three full replicas served their long request only; the one with room took every short one.
-    assert sorted(served.values()) == [1, 1, 1, 6], served
-
-
 def on_router_loop(router, fn):
     """`fn()` run on the loop the router routes on (Serve runs it in a thread of its own): after the
     work queued there before, and without racing it."""
     done = concurrent.futures.Future()
     router._loop.call_soon_threadsafe(lambda: done.set_result(fn()))
     return done.result(timeout=30)
+
+
+def test_a_replica_whose_kv_is_full_gets_no_new_requests(sim_apps):
+    """Three long requests fill three replicas' KV caches; once the deciding router's reports say so,
+    every short request after them goes to the fourth replica. Sent through a handle of this process,
+    not over HTTP: then the router that decides is the one whose view the test can wait on."""
+    from ray import serve
+
+    from router import feedback
+
+    handle = serve.get_deployment_handle("LLMServer", "simllm")
+    before = replica_stats("simllm", REPLICAS)
+
+    def completion(request_id, ids, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return handle.generate.remote(PreparedRequest(request_id, ids, params))
+
+    # Three requests that each fill a replica's 256 KV blocks (1990 + 40 tokens of 2048).
+    longs = [completion(f"long-{i}", [300 + i] * 1990, 40) for i in range(3)]
+
+    def routing():  # the handle's LLMRouter, once it has routed a generation (so its loop is known)
+        router = feedback.request_router_of(handle)
+        return router if router is not None and router._loop is not None else None
+
+    router = wait_until(routing, 60, "the handle's router routing the long requests")
+
+    def full_in_routers_view():  # the reports the router decides on, not the replicas' own stats
+        reports = on_router_loop(router, lambda: [r.routing_stats for r in router.curr_replicas.values()])
+        return len([s for s in reports if s and s["kv_blocks_free"] <= 6]) == 3
+
+    wait_until(full_in_routers_view, 60, "the router's reports showing three replicas full")
+    shorts = [completion(f"short-{i}", [700 + i] * 120, 4) for i in range(6)]
+    short_outs = [r.result(timeout_s=120) for r in shorts]
+    long_outs = [r.result(timeout_s=120) for r in longs]
+    # The three full replicas served their long request only; the one with room took every short one.
+    assert len({o.replica_id for o in long_outs}) == 3
+    assert len({o.replica_id for o in short_outs}) == 1
+    assert not {o.replica_id for o in short_outs} & {o.replica_id for o in long_outs}
+    after = replica_stats("simllm", REPLICAS)
+    served = {rid: after[rid]["finished_requests"] - before[rid]["finished_requests"] for rid in after}
+    assert sorted(served.values()) == [1, 1, 1, 6], served
 
 
 def test_answers_reach_the_router_of_the_handle_that_sent_the_request(sim_apps):

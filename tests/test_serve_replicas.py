@@ -3,33 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from typing import Callable, Optional
+from typing import Callable
 
 import httpx
 from ray import serve
 
-
-def wait_until(predicate: Callable[[], Optional[object]], timeout_s: float, what: str):
-    """Polls `predicate` until it returns something truthy (returned); fails naming `what` after
-    `timeout_s`. The deadline only guards against a hang: a slow machine waits longer, never fails."""
-    deadline = time.monotonic() + timeout_s
-    while not (got := predicate()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.05)
-    return got
-
-
-def replica_stats(app: str, replicas: int = 2) -> dict:
-    """Engine stats of every LLM replica of `app`, by replica id (the handle reaches a random one)."""
-    handle = serve.get_deployment_handle("LLMServer", app)
-    seen: dict = {}
-    for _ in range(200):
-        s = handle.stats.remote().result()
-        seen[s["replica_id"]] = s
-        if len(seen) == replicas:
-            return seen
-    raise AssertionError(f"reached only {len(seen)} of {replicas} replicas")
+from conftest import replica_stats, wait_until
 
 
 def idle(stats: dict) -> dict:
