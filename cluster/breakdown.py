@@ -29,7 +29,7 @@ from typing import Dict
 import numpy as np
 
 from cluster.fleet_sim import FleetSim, Result, SimWorkload
-from cluster.simulate import clairvoyant_schedule, run_all
+from cluster.simulate import run_all
 from cluster.traces import Trace, day_trace, load_csv
 
 PHASES = ("rise", "steady", "fall")

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-import numpy as np
 from ray.serve.config import AutoscalingConfig
 
 from deployments.autoscaling import SERVE_POLICY_PATH, QueueDepthPolicy

@@ -1,6 +1,6 @@
 """What the prefix cache's SHA-256 block hash costs, beside the tuple hash it replaced.
 
-    python -m load_tests.block_hash_cost [--json out.json]
+    python -m load_tests.block_hash_cost [--json results/block_hash_cost.json]
 
 Times, on this machine: one block, a whole prompt (what the router and match_prefix hash per
 request), and the engine's per-step hashing in a decode batch (BlockManager.cache_full_blocks over
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Callable
 
 from batcher.block_hash import cacheable_block_hashes, root_hash
@@ -72,7 +73,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--json", help="write the figures here too")
+    ap.add_argument("--json", default="results/block_hash_cost.json", help="where the figures go as JSON")
     args = ap.parse_args(argv)
     bs, tokens, root = args.block_size, list(range(1000, 1000 + args.prompt_tokens)), root_hash("bench")
     block = tokens[:bs + 1]
@@ -91,9 +92,10 @@ def main(argv=None) -> dict:
     out = {"block_size": bs, "prompt_tokens": args.prompt_tokens, "batch": args.batch,
            "tuple_us": {k: v[0] for k, v in rows.items()}, "sha256_us": {k: v[1] for k, v in rows.items()},
            "decode_step_hash_us": step}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
     return out
 
 

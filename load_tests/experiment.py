@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from cluster.local_serve import free_port, local_serve
 from load_tests.arrivals import parse_rates

@@ -10,7 +10,6 @@ drain ended).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass
