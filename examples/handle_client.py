@@ -1,6 +1,6 @@
 """Call a running iterserve app from another Ray job, through a Serve handle (no HTTP).
 
-Start the app first (`make serve`, or `ray start --head && serve deploy serve_config.yaml`), then:
+Start the app first (`make serve`, or `ray start --head`, `export RAY_AUTH_MODE=token`, `serve deploy serve_config.yaml`), then:
 
     python examples/handle_client.py --prompt "What is the capital of France?"
 

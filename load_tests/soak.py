@@ -5,7 +5,7 @@ requests, client disconnects mid-stream, bad requests that must get a 4xx). Then
 by kind and outcome, the unexpected error rate (expected 4xx excluded), lost requests, latency p50/p99
 of the first fifth of the run against the last fifth (drift), the LLM replicas' RSS (growth from the
 end of the first fifth, after warm-up, to after the traffic drained) and whether every KV block is
-free again. Targets (issue 10, for 10 minutes on this machine): 0 unexpected errors, no lost request,
+free again. Targets (for 10 minutes on this machine): 0 unexpected errors, no lost request,
 RSS growth < 5%, p99 drift < 20%, all KV blocks free. Runs shorter than --enforce-all-from-min report
 RSS growth and drift without enforcing them (warm-up and noise dominate short runs). Exit code 1 when
 an enforced target is missed.

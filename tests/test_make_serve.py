@@ -24,7 +24,7 @@ from cluster.local_serve import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = "ITERSERVE_MAKE_SERVE_TEST"
-STOP_BOUND_S = 30.0  # the bound: Ctrl-C to every process gone
+STOP_BOUND_S = 30.0  # Ctrl-C to every process gone, at most
 START_BOUND_S = 240.0  # a fresh local Ray cluster plus the app, on a busy 2-core machine
 
 
