@@ -75,7 +75,7 @@ class LLMEngine:
             self.sampler = simulated.SimulatedSampler()
         else:
             self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
-            self.sampler = Sampler(config.seed)
+            self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.requests: Dict[str, EngineRequest] = {}
         self.counters = EngineStats(kv_blocks_total=num_blocks)
         self.last_step_time = time.monotonic()
@@ -119,6 +119,9 @@ class LLMEngine:
                 raise InvalidRequestError("prompt must not be empty")
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        bad = next((t for t in params.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias: token id {bad} is out of the vocabulary [0, {self.vocab_size})")
         needed = len(ids) + params.max_tokens
         if needed > self.max_model_len:
             raise RequestTooLongError("max_model_len", needed, self.max_model_len,
@@ -170,8 +173,7 @@ class LLMEngine:
         logits = self.runner.execute(out.scheduled)
         t2 = time.perf_counter()
         sampling = [s.seq for s in out.scheduled if s.samples]
-        tokens, logprobs = self.sampler.sample(
-            logits, [s.request_id for s in sampling], [s.params for s in sampling])
+        tokens, logprobs = self.sampler.sample(logits, sampling)
         self.scheduler.update_after_step(out)
         c = self.counters
         c.tokens_computed += out.num_tokens

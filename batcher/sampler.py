@@ -1,18 +1,25 @@
-"""Turns logits into tokens: batched argmax for greedy rows, per-request generators for seeded ones."""
+"""Turns logits into tokens: penalties, biases and min_tokens as batched tensors over the rows that
+ask for them, then batched argmax for greedy rows and per-request generators for seeded ones."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from batcher.outputs import TokenLogprob
 from batcher.sampling_params import SamplingParams
+from batcher.sequence import Sequence
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    """Logprobs are of the model's raw logits (log_softmax before any penalty, bias, min_tokens mask
+    or temperature), as vLLM returns by default: what the model thought, not what the request
+    steered. Greedy and sampled choices are made on the processed logits."""
+
+    def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = ()):
         self._rng = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
         self._generators: Dict[str, torch.Generator] = {}
+        self._eos_token_ids = sorted(eos_token_ids)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -25,14 +32,17 @@ class Sampler:
             g = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
         return g
 
-    def sample(self, logits: torch.Tensor, request_ids: List[str],
-               params: List[SamplingParams]) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
-        """logits: (S, vocab) float on any device. Returns token ids and, where asked, logprobs."""
+    def sample(self, logits: torch.Tensor,
+               seqs: List[Sequence]) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
+        """logits: (S, vocab) float on any device, one row per sequence in `seqs` (their token ids so
+        far are the penalties' history). Returns token ids and, where asked, logprobs."""
         logits = logits.cpu()
-        tokens = logits.argmax(dim=-1)
+        params = [s.params for s in seqs]
+        processed = self.process_logits(logits, seqs)
+        tokens = processed.argmax(dim=-1)
         for i, p in enumerate(params):
             if not p.greedy:
-                tokens[i] = self._sample_one(logits[i], p, self._generator(request_ids[i], p))
+                tokens[i] = self._sample_one(processed[i], p, self._generator(seqs[i].request_id, p))
         token_list = tokens.tolist()
         logprobs: List[Optional[TokenLogprob]] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -48,6 +58,21 @@ class Sampler:
                 )
         return token_list, logprobs
 
+    def process_logits(self, logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
+        """`logits` itself when no sequence asks for processing (no tensor is built); otherwise a new
+        tensor with the asking rows processed, in vLLM's order: logit_bias, the min_tokens mask,
+        repetition penalty, then frequency and presence penalties."""
+        rows = [i for i, s in enumerate(seqs) if s.params.processes_logits]
+        if not rows:
+            return logits
+        picked = [seqs[i] for i in rows]
+        sub = logits[rows]  # a copy: the raw logits stay as they are for logprobs
+        _add_logit_bias(sub, picked)
+        _mask_stops(sub, picked, self._eos_token_ids)
+        _repetition_penalty(sub, picked)
+        _frequency_presence_penalties(sub, picked)
+        return logits.index_copy(0, torch.tensor(rows), sub)
+
     @staticmethod
     def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
         logits = logits / p.temperature
@@ -62,3 +87,62 @@ class Sampler:
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# Each helper below works in place on `sub` (one row per sequence in `seqs`), only on the rows whose
+# params ask for it, with one scatter or gather per batch: no Python loop over the vocabulary.
+
+def _flat_ids(seqs: List[Sequence], which: List[int], ids_of) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of `ids_of(seq)` for rows `which`, as two flat long tensors."""
+    lists = [ids_of(seqs[r]) for r in which]
+    rows = torch.repeat_interleave(torch.tensor(which), torch.tensor([len(x) for x in lists]))
+    return rows, torch.tensor([t for x in lists for t in x], dtype=torch.long)
+
+
+def _add_logit_bias(sub: torch.Tensor, seqs: List[Sequence]) -> None:
+    which = [r for r, s in enumerate(seqs) if s.params.logit_bias]
+    if which:
+        rows, ids = _flat_ids(seqs, which, lambda s: list(s.params.logit_bias))
+        bias = torch.tensor([b for r in which for b in seqs[r].params.logit_bias.values()], dtype=sub.dtype)
+        sub[rows, ids] += bias  # each (row, id) once: a dict's keys are distinct
+
+
+def _mask_stops(sub: torch.Tensor, seqs: List[Sequence], eos_token_ids: List[int]) -> None:
+    """Before min_tokens output tokens, no token that would stop the sequence: EOS (unless
+    ignore_eos, which makes EOS an ordinary token) and stop_token_ids."""
+    vocab = sub.shape[-1]
+
+    def stops(s: Sequence) -> List[int]:
+        ids = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(eos_token_ids))
+        return sorted(t for t in ids if 0 <= t < vocab)
+
+    which = [r for r, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+    if which:
+        rows, ids = _flat_ids(seqs, which, stops)
+        sub[rows, ids] = float("-inf")
+
+
+def _repetition_penalty(sub: torch.Tensor, seqs: List[Sequence]) -> None:
+    which = [r for r, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    if not which:
+        return
+    rows, ids = _flat_ids(seqs, which, lambda s: s.token_ids)  # prompt and output
+    seen = torch.zeros_like(sub, dtype=torch.bool).index_put_((rows, ids), torch.tensor(True))
+    penalty = torch.ones(sub.shape[0], 1, dtype=sub.dtype)
+    penalty[which, 0] = torch.tensor([seqs[r].params.repetition_penalty for r in which], dtype=sub.dtype)
+    sub.copy_(torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub))
+
+
+def _frequency_presence_penalties(sub: torch.Tensor, seqs: List[Sequence]) -> None:
+    """OpenAI's: logit -= frequency_penalty * count + presence_penalty * (count > 0), counting the
+    output tokens only (two subtractions, as vLLM rounds them)."""
+    which = [r for r, s in enumerate(seqs)
+             if (s.params.frequency_penalty or s.params.presence_penalty) and s.num_output_tokens]
+    if not which:
+        return
+    rows, ids = _flat_ids(seqs, which, lambda s: s.output_token_ids)
+    counts = torch.zeros_like(sub).index_put_((rows, ids), torch.ones(len(ids), dtype=sub.dtype), accumulate=True)
+    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=sub.dtype).unsqueeze(1)
+    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=sub.dtype).unsqueeze(1)
+    sub -= freq * counts
+    sub -= pres * (counts > 0).to(sub.dtype)

@@ -1,12 +1,14 @@
 """Per-request sampling settings, validated at the edge."""
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 SEED_RANGE = (-(2**63), 2**64)
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence_penalty and frequency_penalty
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, +100 all but forces it
 
 
 class SamplingParams(BaseModel):
@@ -23,6 +25,21 @@ class SamplingParams(BaseModel):
     logprobs: Optional[int] = Field(
         None, ge=0, le=20, description="Return the sampled token's logprob and this many top alternatives."
     )
+    # Logits processing (batcher.sampler applies it, before temperature, top-k, top-p and greedy argmax).
+    presence_penalty: float = Field(
+        0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False,
+        description="Subtracted once from the logit of every token already in the output (OpenAI's).")
+    frequency_penalty: float = Field(
+        0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False,
+        description="Subtracted from a token's logit once per time it is in the output (OpenAI's).")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, allow_inf_nan=False, description="Tokens of the prompt or output: positive logits divided "
+        "by it, negative ones multiplied (HF's and vLLM's); 1 = off, > 1 discourages repeats.")
+    logit_bias: Dict[int, float] = Field(
+        default_factory=dict, description="Token id -> added to its logit, in [-100, 100] (OpenAI's; string "
+        "keys as JSON sends them are converted).")
+    min_tokens: int = Field(
+        0, ge=0, description="EOS and stop_token_ids cannot be sampled before this many tokens (vLLM's).")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -42,6 +59,28 @@ class SamplingParams(BaseModel):
         if v is not None and not SEED_RANGE[0] <= v < SEED_RANGE[1]:
             raise ValueError(f"must be a 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1] - 1}]")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, v: Dict[int, float]) -> Dict[int, float]:
+        lo, hi = LOGIT_BIAS_RANGE
+        bad = next((t for t, b in v.items() if not lo <= b <= hi), None)  # NaN fails the comparison too
+        if bad is not None:
+            raise ValueError(f"the bias of token {bad} is {v[bad]}, not a number in [{lo:g}, {hi:g}]")
+        return v
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self):
+        # GenerateRequest's max_tokens may be None (the rest of the context): the SamplingParams made from it checks
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens {self.max_tokens}")
+        return self
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any penalty, bias or min_tokens applies: the sampler leaves other rows untouched."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

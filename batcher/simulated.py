@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from batcher.outputs import TokenLogprob
-from batcher.sampling_params import SamplingParams
+from batcher.sequence import Sequence
 
 SIM_PREFIX = "sim:"
 # The deterministic answer: these words, over and over (each starts with a space, so the text
@@ -168,12 +168,11 @@ class SimulatedRunner:
 
 
 class SimulatedSampler:
-    """Stands in for Sampler: the runner already chose the tokens. Logprobs are not simulated: the
-    chosen token gets 0.0 and no alternatives."""
+    """Stands in for Sampler: the runner already chose the tokens. Logprobs are not simulated (the
+    chosen token gets 0.0 and no alternatives), nor are penalties, logit_bias and min_tokens."""
 
-    def sample(self, tokens: List[int], request_ids: List[str],
-               params: List[SamplingParams]) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
-        return tokens, [TokenLogprob(t, 0.0) if p.logprobs is not None else None for t, p in zip(tokens, params)]
+    def sample(self, tokens: List[int], seqs: List[Sequence]) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
+        return tokens, [TokenLogprob(t, 0.0) if s.params.logprobs is not None else None for t, s in zip(tokens, seqs)]
 
     def forget(self, request_id: str) -> None:
         pass

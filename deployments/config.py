@@ -64,6 +64,7 @@ class LimitsConfig(BaseModel):
     max_stop: int = Field(16, ge=0, description="Most stop strings (and most stop_token_ids).")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters.")
     max_top_logprobs: int = Field(20, ge=0, le=20, description="Most alternatives per token (logprobs/top_logprobs).")
+    max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries (token ids), as OpenAI allows.")
     max_user_chars: int = Field(256, ge=1, description="Longest `user` field (OpenAI's end-user id).")
     max_request_id_chars: int = Field(256, ge=1, description="Longest request_id a Python caller may set.")
 

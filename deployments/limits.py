@@ -66,6 +66,9 @@ class RequestLimits:
         if len(request.stop_token_ids) > c.max_stop:
             raise limit_error("stop_token_ids", f"{len(request.stop_token_ids)} ids", "max_stop", c.max_stop)
         self._check_ids("stop_token_ids", request.stop_token_ids)
+        if len(request.logit_bias) > c.max_logit_bias:
+            raise limit_error("logit_bias", f"{len(request.logit_bias)} token ids", "max_logit_bias", c.max_logit_bias)
+        self._check_ids("logit_bias", request.logit_bias)
         if request.logprobs is not None and request.logprobs > c.max_top_logprobs:
             raise limit_error("logprobs", f"{request.logprobs} top logprobs", "max_top_logprobs", c.max_top_logprobs)
         for name in ("temperature", "top_p"):  # the models' ranges refuse NaN too; say it plainly

@@ -1,7 +1,8 @@
 """The OpenAI HTTP API's request and response bodies (the subset iterserve serves).
 
-Unknown request fields are refused with a 400, as OpenAI itself does; fields clients commonly send
-with neutral values (n=1, zero penalties, user) are accepted.
+Unknown request fields are refused with a 400, as OpenAI itself does. Penalties and logit_bias are
+OpenAI's; repetition_penalty, min_tokens, top_k, ignore_eos and cache_salt are extensions (vLLM's
+names). Their ranges are SamplingParams', checked when the body becomes a GenerateRequest.
 """
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ class _Request(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # extension
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[Dict[str, float]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[Dict[str, float]] = None  # token id (a string, as JSON keys are) -> bias
+    repetition_penalty: Optional[float] = None  # extension
+    min_tokens: Optional[int] = None  # extension
     user: Optional[str] = None
     cache_salt: Optional[str] = Field(None, min_length=1)  # extension (vLLM's): see GenerateRequest
 
@@ -44,14 +47,12 @@ class _Request(BaseModel):
     def _unsupported(self):
         if self.n != 1:
             raise ValueError("n: only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty/frequency_penalty: only 0 is supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
         return self
 
     def _generate_fields(self) -> dict:
-        fields = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "seed", "stop", "cache_salt")}
+        names = ("temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens")
+        fields = {k: getattr(self, k) for k in names}
         return {k: v for k, v in fields.items() if v is not None} | {"ignore_eos": self.ignore_eos}
 
     @property

@@ -88,7 +88,11 @@ TABLE = [
     ("seed-float", "POST", COMPLETIONS, C(seed=1.5), {}, 400, "seed"),
     ("presence-penalty-nan", "POST", COMPLETIONS, raw('{"prompt": "hi", "presence_penalty": NaN}'), JSON, 400,
      "presence_penalty"),
-    ("logit-bias", "POST", COMPLETIONS, C(logit_bias={"1": 100}), {}, 400, "logit_bias"),
+    ("logit-bias-past-vocab", "POST", COMPLETIONS, C(logit_bias={"49152": 100}), {}, 400,
+     "logit_bias: token id 49152 is out of the vocabulary [0, 49152)"),
+    ("logit-bias-too-many", "POST", CHAT, CH(logit_bias={str(t): 1 for t in range(301)}), {}, 400,
+     "ingress.limits.max_logit_bias = 300"),
+    ("logit-bias-too-large", "POST", COMPLETIONS, C(logit_bias={"1": 101}), {}, 400, "logit_bias"),
     ("logit-bias-infinity", "POST", COMPLETIONS, raw('{"prompt": "hi", "logit_bias": {"1": Infinity}}'), JSON,
      400, "logit_bias"),
     # stop strings, logprobs, user
