@@ -12,7 +12,6 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 from ray.serve.config import RequestRouterConfig
 
-from batcher.config import EngineConfig
 from batcher.simulated import is_simulated, preset_for
 from deployments.config import AppConfig
 from deployments.ingress import OpenAIIngress
@@ -89,17 +88,20 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
         for key in shape.keys() & cfg.router.request_router_kwargs.keys():
             raise ConfigError(f"invalid iterserve config at `args.router.request_router_kwargs.{key}`: "
                               f"set from `args.engine.{key}`, so the router hashes blocks as replicas cache them")
-        kwargs = {"cost_model": default_cost_model(e), **cfg.router.request_router_kwargs, **shape}
+        kwargs = {"cost_model": default_cost_model(cfg), **cfg.router.request_router_kwargs, **shape}
         kwargs = _check(lambda: LLMRouterConfig.model_validate(kwargs), "args.router.request_router_kwargs")
         router.request_router_kwargs = kwargs.model_dump()
     return router
 
 
-def default_cost_model(engine: EngineConfig) -> str:
-    """A simulated replica's own step times; else this machine's CPU figures or an H100's."""
+def default_cost_model(cfg: AppConfig) -> str:
+    """A simulated replica's own step times; else an H100's where replicas run on a GPU (device cuda,
+    or auto with a GPU reserved: the deploying node may have none), this machine's CPU figures otherwise."""
+    engine = cfg.engine
     if is_simulated(engine.model):
         return preset_for(engine.model).name
-    return "h100-llama3-8b" if engine.device.startswith("cuda") else "cpu-smollm2"
+    on_gpu = engine.device.startswith("cuda") or (engine.device == "auto" and cfg.replica.num_gpus > 0)
+    return "h100-llama3-8b" if on_gpu else "cpu-smollm2"
 
 
 def metric_push_env(cfg: AppConfig) -> dict:

@@ -64,6 +64,10 @@ def test_llm_router_hashes_blocks_as_the_engine_caches_them():
     assert kwargs["cost_model"] == "h100-llama3-8b"
     cpu = llm_deployment_options(load_config({"router": {"request_router_class": "router:LLMRouter"}}))
     assert cpu["request_router_config"].request_router_kwargs["cost_model"] == "cpu-smollm2"
+    # device auto on replicas that reserve a GPU: they will run on it, whatever the deploying node has
+    gpu = llm_deployment_options(load_config({"replica": {"num_gpus": 1},
+                                              "router": {"request_router_class": "router:LLMRouter"}}))
+    assert gpu["request_router_config"].request_router_kwargs["cost_model"] == "h100-llama3-8b"
 
 
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
