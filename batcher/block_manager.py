@@ -2,8 +2,8 @@
 
 A block holds `block_size` consecutive tokens of one or more sequences. A full block is identified by
 its chained hash (batcher.block_hash: the prefix, the model and the request's cache salt), so equal
-prefixes of the same tenant map to equal blocks. Freed blocks
-keep their hash and stay reusable until a new allocation evicts them (least recently freed first).
+prefixes of the same tenant map to equal blocks. Freed blocks keep their hash and stay reusable until
+a new allocation evicts them (least recently freed first).
 """
 from __future__ import annotations
 

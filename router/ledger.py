@@ -176,17 +176,13 @@ class RequestLedger:
         """`replica` is gone: nothing counts on it any more, no answer is awaited from it, and requests
         in flight there are forgotten (Serve retries a request whose replica died: a new decision)."""
         for key in list(self._inflight.get(replica, ())):
-            self._forget(key)
+            self.forget(key)
         self._inflight.pop(replica, None)
         self._completed.pop(replica, None)
         self._versions.pop(replica, None)
         if self._awaiting_on.get(replica):
             for rid in [rid for rid, (r, _, _) in self._awaiting.items() if r == replica]:
                 self._pop_awaiting(rid)
-
-    def forget(self, key: str) -> None:
-        """Request `key` will not be reported on again (its replica left before Serve confirmed it)."""
-        self._forget(key)
 
     # ---- internals ----------------------------------------------------------------------------------
 
@@ -207,7 +203,9 @@ class RequestLedger:
         self._bump(entry.replica)
         entry.replica, entry.confirmed = None, False
 
-    def _forget(self, key: str) -> None:
+    def forget(self, key: str) -> None:
+        """Request `key` will not be reported on again (its replica left before Serve confirmed it, or
+        a bound dropped it): it counts nowhere and claims nothing."""
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._leave(key, entry)
@@ -232,7 +230,7 @@ class RequestLedger:
             key, entry = next(iter(self._entries.items()))
             if now - entry.since < self.forget_after_s and len(self._entries) <= self.max_requests:
                 break
-            self._forget(key)
+            self.forget(key)
         while self._awaiting:
             request_id, (_, _, since) = next(iter(self._awaiting.items()))
             if now - since < self.answer_wait_s and len(self._awaiting) <= self.max_requests:

@@ -386,22 +386,3 @@ def test_unknown_policy_knob_fails_the_deploy():
         build_app({"autoscaling": {"policy_kwargs": {"startup_s": 300, "queue_drain_s": 30}}})
     with pytest.raises(ConfigError, match="growth_lead"):
         build_app({"autoscaling": {"policy_kwargs": {"growth_lead": -1}}})
-
-
-def test_graceful_window_sized_from_max_model_len():
-    short = llm_deployment_options(load_config({"engine": {"model": "sim:cpu-smollm2", "max_model_len": 512}}))
-    long = llm_deployment_options(load_config({"engine": {"model": "sim:cpu-smollm2", "max_model_len": 2048}}))
-    assert long["graceful_shutdown_timeout_s"] > 3 * short["graceful_shutdown_timeout_s"]
-    fixed = llm_deployment_options(load_config({"replica": {"graceful_shutdown_timeout_s": 7}}))
-    assert fixed["graceful_shutdown_timeout_s"] == 7
-
-
-def test_ingress_waits_as_long_as_the_llm_replicas():
-    """A redeploy replaces the ingress too; it relays the streams, so it keeps the LLM's window and
-    its checks (Serve's default, 20 s, would cut longer streams)."""
-    ingress = build_app({"engine": {"model": "sim:cpu-smollm2"},
-                         "replica": {"graceful_shutdown_timeout_s": 90, "graceful_shutdown_wait_loop_s": 3}})
-    llm = ingress._bound_deployment.init_args[0]._bound_deployment
-    for d in (ingress._bound_deployment, llm):
-        assert d._deployment_config.graceful_shutdown_timeout_s == 90
-        assert d._deployment_config.graceful_shutdown_wait_loop_s == 3

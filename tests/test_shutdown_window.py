@@ -1,12 +1,12 @@
-"""A model's context length is decided in one place: the engine and the deploy (the graceful
-shutdown window, sized from it) read the same value from the model's config."""
+"""The graceful shutdown window: sized from the model's context length, decided in one place (the
+engine and the deploy read the same value from the model's config), and kept by the ingress too."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from batcher import EngineConfig, LLMEngine
 from batcher.model_loader import load_tokenizer
-from deployments.app import ConfigError, llm_deployment_options, load_config
+from deployments.app import ConfigError, build_app, llm_deployment_options, load_config
 from deployments.shutdown import model_len
 
 
@@ -35,3 +35,22 @@ def test_the_deploy_sizes_the_shutdown_window_from_the_engines_context_length(wi
 def test_a_max_model_len_beyond_the_model_fails_the_deploy(windowed_model):
     with pytest.raises(ConfigError, match="max_model_len 1024 exceeds what the model supports \\(256\\)"):
         llm_deployment_options(load_config({"engine": {"model": windowed_model, "max_model_len": 1024}}))
+
+
+def test_graceful_window_sized_from_max_model_len():
+    short = llm_deployment_options(load_config({"engine": {"model": "sim:cpu-smollm2", "max_model_len": 512}}))
+    long = llm_deployment_options(load_config({"engine": {"model": "sim:cpu-smollm2", "max_model_len": 2048}}))
+    assert long["graceful_shutdown_timeout_s"] > 3 * short["graceful_shutdown_timeout_s"]
+    fixed = llm_deployment_options(load_config({"replica": {"graceful_shutdown_timeout_s": 7}}))
+    assert fixed["graceful_shutdown_timeout_s"] == 7
+
+
+def test_ingress_waits_as_long_as_the_llm_replicas():
+    """A redeploy replaces the ingress too; it relays the streams, so it keeps the LLM's window and
+    its checks (Serve's default, 20 s, would cut longer streams)."""
+    ingress = build_app({"engine": {"model": "sim:cpu-smollm2"},
+                         "replica": {"graceful_shutdown_timeout_s": 90, "graceful_shutdown_wait_loop_s": 3}})
+    llm = ingress._bound_deployment.init_args[0]._bound_deployment
+    for d in (ingress._bound_deployment, llm):
+        assert d._deployment_config.graceful_shutdown_timeout_s == 90
+        assert d._deployment_config.graceful_shutdown_wait_loop_s == 3
