@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing soak clean
+.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing bench-forward soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ BENCH_ARGS ?=
 bench: install
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m load_tests.bench --base-url $(BENCH_URL) $(BENCH_ARGS)
+
+# This stack against llama.cpp's server, one user and a burst of 64 (run it alone: docs/load_tests.md).
+FORWARD_ARGS ?=
+bench-forward: model
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m load_tests.forward_bench $(FORWARD_ARGS)
 
 experiment: model
 	$(BIN)/pip install -q -e '.[bench]'

@@ -15,7 +15,7 @@ from collections import defaultdict
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from batcher.config import EngineConfig
-from batcher.errors import EngineDeadError, EngineError, InvalidRequestError
+from batcher.errors import EngineDeadError, EngineError, InvalidRequestError, StepError
 from batcher.llm_engine import EngineRequest, LLMEngine, Prompt
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completion_from_deltas, merge_deltas
 from batcher.sampling_params import SamplingParams
@@ -27,6 +27,10 @@ _IDLE_WAIT_S = 0.5
 # with a floor for the first steps (model warm-up, a long prefill on a loaded CPU).
 STALL_FLOOR_S = 60.0
 STALL_STEP_FACTOR = 20.0
+# A failing step fails only its own requests; this many in a row (a broken device or model, e.g. a
+# CUDA error, which poisons every later step) kill the loop, and check_health then has Serve replace
+# the replica.
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 class AsyncLLMEngine:
@@ -40,6 +44,7 @@ class AsyncLLMEngine:
         self._stopped = False
         self._heartbeat = time.monotonic()  # last time the loop went round
         self._slowest_step_s = 0.0
+        self._failed_steps_in_a_row = 0
         self._snapshot: Optional[EngineSnapshot] = None  # replaced (never mutated) by the loop thread
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="iterserve-engine", daemon=True)
@@ -69,7 +74,11 @@ class AsyncLLMEngine:
                 deltas = self._drain_inbox()
                 if self.engine.has_unfinished():
                     t0 = time.monotonic()
-                    deltas += self.engine.step()
+                    try:
+                        deltas += self.engine.step()
+                        self._failed_steps_in_a_row = 0
+                    except StepError as e:
+                        self._step_failed(e)
                     self._slowest_step_s = max(self._slowest_step_s, time.monotonic() - t0)
                 elif not deltas:
                     self._wake.wait(_IDLE_WAIT_S)
@@ -84,6 +93,19 @@ class AsyncLLMEngine:
             for loop, q in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, self._dead_error())
 
+    def _step_failed(self, error: StepError) -> None:
+        """Logs the failure once (with the traceback) and fails the step's own streams. The
+        MAX_FAILED_STEPS_IN_A_ROW-th failure in a row raises instead: the loop dies (logged there),
+        failing every stream, and check_health fails from then on."""
+        self._failed_steps_in_a_row += 1
+        if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            raise EngineDeadError(f"{self._failed_steps_in_a_row} engine steps failed in a row, "
+                                  f"the last with {error}") from error
+        logger.error("engine step failed (%d in a row); failing the %d request(s) it had scheduled",
+                     self._failed_steps_in_a_row, len(error.request_ids), exc_info=error)
+        for rid in error.request_ids:  # one error object per stream: each caller raises its own
+            self._dispatch_error(rid, StepError(str(error), (rid,)))
+
     def _drain_inbox(self) -> List[StreamDelta]:
         deltas = []
         while True:
@@ -93,6 +115,8 @@ class AsyncLLMEngine:
                 return deltas
             if kind == "stall":  # stall_for_tests: the loop thread blocks as a hung forward would
                 time.sleep(item)
+            elif kind == "fail":
+                self._fail_next_forwards(item)
             elif kind == "add":
                 try:
                     self.engine.add(item)
@@ -166,6 +190,25 @@ class AsyncLLMEngine:
         """Fault injection for tests only: the loop thread sleeps `seconds` before its next step,
         holding whatever work it has, exactly as a hung forward would."""
         self._send("stall", float(seconds))
+
+    def fail_steps_for_tests(self, steps: int = 1) -> None:
+        """Fault injection for tests only: the next `steps` forwards raise inside the model runner,
+        as a kernel error would (each fails its step's requests; see MAX_FAILED_STEPS_IN_A_ROW)."""
+        self._send("fail", int(steps))
+
+    def _fail_next_forwards(self, steps: int) -> None:
+        if steps < 1:
+            return
+        runner = self.engine.runner
+        execute, left = runner.execute, [steps]
+
+        def failing(*args, **kwargs):
+            left[0] -= 1
+            if left[0] <= 0:
+                runner.execute = execute
+            raise RuntimeError("fault injected by fail_steps_for_tests")
+
+        runner.execute = failing
 
     def _send(self, kind: str, item: object) -> None:
         self._inbox.put((kind, item))

@@ -1,6 +1,8 @@
 """Engine configuration: the one pydantic model every layer reads its settings from."""
 from __future__ import annotations
 
+import os
+
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,6 +23,18 @@ class EngineConfig(BaseModel):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", description="'auto' picks cuda when available, else cpu.")
+    compile: Literal["auto", "off", "inductor"] = Field(
+        # The environment sets the default (the test suite builds dozens of engines eagerly).
+        default_factory=lambda: os.environ.get("ITERSERVE_COMPILE", "auto"), validate_default=True,
+        description="'inductor': torch.compile the forward (one dynamic graph; a model that "
+        "cannot be compiled fails the start). 'auto': compile where compiling is measured to pay (see "
+        "docs/forward.md), eagerly otherwise; a model that cannot be compiled runs eagerly after one "
+        "log line. 'off': eager. Unset: $ITERSERVE_COMPILE, else 'auto'.")
+    quantization: Optional[Literal["int8"]] = Field(
+        None, description="'int8': weight-only int8 linear layers (activations stay in `dtype`).")
+    attention_backend: Literal["auto", "reference", "cpu", "triton"] = Field(
+        "auto", description="Paged-attention implementation; 'auto' picks by device. 'reference' is the "
+        "gather + SDPA oracle the others are tested against.")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one step's batch.")
     max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one step.")
     block_size: int = Field(8, ge=1, le=256, description="Tokens per KV block.")

@@ -1,6 +1,8 @@
 """Typed errors of the engine: callers map them to HTTP statuses."""
 from __future__ import annotations
 
+from typing import Tuple
+
 
 class EngineError(Exception):
     """Base of every error the engine raises on purpose."""
@@ -22,3 +24,12 @@ class InvalidRequestError(EngineError, ValueError):
 
 class EngineDeadError(EngineError, RuntimeError):
     """The step loop died; the replica must be replaced."""
+
+
+class StepError(EngineError, RuntimeError):
+    """One step's forward or sampling raised. The requests that step had scheduled failed (their KV
+    blocks are freed); the rest of the engine is as it was and serves on. `request_ids`: those requests."""
+
+    def __init__(self, message: str, request_ids: Tuple[str, ...] = ()):
+        super().__init__(message)
+        self.request_ids = tuple(request_ids)

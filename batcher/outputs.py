@@ -55,6 +55,8 @@ class EngineStats:
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
+    failed_requests: int = 0  # ended by a failed step (batcher.errors.StepError)
+    failed_steps: int = 0  # steps whose forward or sampling raised
     forward_seconds: float = 0.0  # wall time inside the model forward (ModelRunner.execute)
     step_seconds: float = 0.0  # wall time of whole steps
     kv_slot_use_sum: float = 0.0  # per step: tokens held / slots allocated, summed (mean = /steps)

@@ -21,7 +21,8 @@ from deployments.config import StreamConfig
 from deployments.errors import APIError, engine_error
 from deployments.protocol import GenerateChunk, GenerateResponse, ModelInfo, OutputLogprob, PreparedRequest, TopLogprob
 
-# Fault injection (stall_engine_for_tests) works only in replicas started with this set to "1".
+# Fault injection (stall_engine_for_tests, fail_engine_steps_for_tests) works only in replicas
+# started with this set to "1".
 TEST_HOOKS_ENV = "ITERSERVE_ENABLE_TEST_HOOKS"
 
 
@@ -107,9 +108,14 @@ class LLMServer:
     def stall_engine_for_tests(self, seconds: float) -> None:
         """Blocks the engine loop for `seconds`, as a hung forward would (the health check must then
         fail and Serve replace the replica). Refused unless the replica runs with TEST_HOOKS_ENV=1."""
-        if os.environ.get(TEST_HOOKS_ENV) != "1":
-            raise PermissionError(f"test hooks are off in this replica (set {TEST_HOOKS_ENV}=1 to enable)")
+        _check_test_hooks()
         self.engine.stall_for_tests(seconds)
+
+    def fail_engine_steps_for_tests(self, steps: int = 1) -> None:
+        """Makes the engine's next `steps` forwards raise, as a kernel error would: each fails its
+        step's requests and the replica serves on. Refused unless TEST_HOOKS_ENV=1, as the stall."""
+        _check_test_hooks()
+        self.engine.fail_steps_for_tests(steps)
 
     # ---- Serve hooks ---------------------------------------------------------------------------
 
@@ -177,6 +183,11 @@ def _check_prepared(request) -> None:
     if not isinstance(request, PreparedRequest):
         raise APIError(400, f"LLMServer takes a PreparedRequest, got {type(request).__name__}: send requests "
                        "to the ingress app (HTTP or serve.get_app_handle), which prepares them once")
+
+
+def _check_test_hooks() -> None:
+    if os.environ.get(TEST_HOOKS_ENV) != "1":
+        raise PermissionError(f"test hooks are off in this replica (set {TEST_HOOKS_ENV}=1 to enable)")
 
 
 def _rss_bytes() -> int:

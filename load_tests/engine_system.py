@@ -1,8 +1,9 @@
-"""This project's engine (batcher.LLMEngine) as a benchmark system, in static or continuous mode."""
+"""This project's engine (batcher.LLMEngine) as a benchmark system: static or continuous scheduling,
+with the eager fp32 forward (the reference the engine had before the fast forward) or the fast one."""
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from load_tests.systems import Budgets, RunResult
 from load_tests.workload import WorkloadRequest
@@ -15,14 +16,19 @@ class EngineSystem:
     recur across caps, so cached blocks from an earlier run would flatter later ones.
     """
 
-    def __init__(self, model: str, budgets: Budgets, scheduling: str, static_batch_size: int = 16):
+    def __init__(self, model: str, budgets: Budgets, scheduling: str, static_batch_size: int = 16,
+                 fast: bool = False, quantization: Optional[str] = None):
         from batcher import EngineConfig, LLMEngine
 
-        self.name = f"engine_{scheduling}"
+        self.name = "engine_fast" if fast else f"engine_{scheduling}"
+        # Eager fp32 with the gather + SDPA attention, or the engine's defaults (dtype, compile and
+        # attention "auto").
+        forward = {} if fast else {"dtype": "float32", "compile": "off", "attention_backend": "reference"}
         self.config = EngineConfig(
             model=model,
-            dtype="float32",
             device="cpu",
+            quantization=quantization,
+            **forward,
             max_num_seqs=budgets.max_num_seqs,
             max_num_batched_tokens=budgets.max_num_batched_tokens,
             block_size=budgets.block_size,

@@ -1,12 +1,14 @@
 """`python -m load_tests.experiment`: the seeds' experiment through the whole stack, with pictures.
 
-Three systems, one after another on the same machine, the same requests (the variance workload:
+Four systems, one after another on the same machine, the same requests (the variance workload:
 random-word chat prompts, capped-exponential output lengths, EOS ignored), a sweep of Poisson request
 rates through each, streamed over HTTP by the load generator (load_tests.bench):
 - static:     this application (Ray Serve, one replica) with `scheduling: static` (fixed batches);
 - continuous: the same application with `scheduling: continuous`;
 - peer:       `transformers serve MODEL_DIR --continuous-batching` (the outside peer, same model,
-              same dtype, same cores), EOS disabled through its `generation_config`.
+              same dtype, same cores), EOS disabled through its `generation_config`;
+- llamacpp:   llama.cpp's server (load_tests.llamacpp_server) on the embedded model's own 4-bit GGUF,
+              --threads threads, --max-num-seqs slots (only with the embedded model).
 Then the batch-occupancy picture from real in-process engine traces (static next to continuous).
 Writes PNGs, an HTML page and JSON under --out, prints the table and the targets. Bounded: a fixed
 number of requests per rate, a timeout per request; `--quick` for a smoke run of a minute or two.
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from batcher.model_loader import EMBEDDED_MODEL
 from cluster.local_serve import free_port, local_serve
 from load_tests.arrivals import parse_rates
 from load_tests.bench import sweep
@@ -30,13 +33,13 @@ from load_tests.bench_workloads import variance_requests
 from load_tests.experiment_report import write_report
 from load_tests.servers import peer_server
 
-SYSTEMS = ("static", "continuous", "peer")
+SYSTEMS = ("static", "continuous", "peer", "llamacpp")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m load_tests.experiment", description=__doc__.splitlines()[0])
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--rates", default="1,2,4,8", help="Poisson request rates (req/s), comma separated")
     p.add_argument("--num-requests", type=int, default=24, help="per rate, at least")
     p.add_argument("--window-s", type=float, default=20.0,
@@ -45,7 +48,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=64, help="prompt words (about one token each)")
     p.add_argument("--mean-output", type=float, default=32.0)
     p.add_argument("--cap", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the engine (the peer uses all cores)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads of the engine, and llama.cpp's threads (the peer uses all cores)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--static-batch-size", type=int, default=16)
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:250"], metavar="NAME:MS")
@@ -116,10 +120,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if "peer" in systems:
         from batcher.model_loader import embedded_model_dir
 
-        model_dir = str(embedded_model_dir()) if args.model == "smollm2-135m-instruct" else args.model
+        model_dir = str(embedded_model_dir()) if args.model == EMBEDDED_MODEL else args.model
         with peer_server(model_dir, args.peer_port or free_port(), out / "peer.log", args.peer_start_timeout_s) as url:
             target = Target(url, model=model_dir, ignore_eos_as="generation_config")
             by_system["peer"] = run_sweep("peer", target, requests, args, slos)
+    if "llamacpp" in systems and args.model != EMBEDDED_MODEL:
+        print(f"\n== llamacpp: skipped (it serves the embedded model's GGUF, not {args.model})", flush=True)
+    elif "llamacpp" in systems:
+        from load_tests.llamacpp_server import llamacpp_server
+
+        # An HTTP thread per connection it may hold at once (every request of the longest sweep).
+        with llamacpp_server(free_port(), out / "llamacpp.log", threads=args.threads, slots=args.max_num_seqs,
+                             http_threads=most + 16, start_timeout_s=args.peer_start_timeout_s) as url:
+            by_system["llamacpp"] = run_sweep("llamacpp", Target(url), requests, args, slos)
     from load_tests.occupancy import occupancy_pair
 
     print("\n== occupancy traces (in-process engine, static then continuous)", flush=True)

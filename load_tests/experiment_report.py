@@ -106,7 +106,11 @@ def write_report(out: Path, args, by_system: Dict[str, List[dict]], occupancy, s
              f"exponential (mean {args.mean_output:g}) capped at {args.cap}, EOS ignored; Poisson arrivals; "
              f"model {args.model} fp32 on CPU; engine {args.threads} torch threads, max_num_seqs {args.max_num_seqs}, "
              f"static batches of {args.static_batch_size}."]
-    plots.write_html(out / "index.html", "iterserve: static vs continuous batching vs transformers serve", images,
+    if "llamacpp" in by_system:
+        notes.append(f"llamacpp: llama.cpp's server on the same model's 4-bit GGUF (Q4_1), {args.threads} threads, "
+                     f"{args.max_num_seqs} slots: a speed anchor, its answers differ from fp32.")
+    plots.write_html(out / "index.html", "iterserve: static vs continuous batching vs transformers serve, llama.cpp",
+                     images,
                      [("Sweep", table), ("Targets", target_text or "-"), ("Occupancy", occupancy_table(occupancy))],
                      notes)
     result = {"benchmark": "experiment", "date": datetime.datetime.now().isoformat(timespec="seconds"),

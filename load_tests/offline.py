@@ -29,7 +29,7 @@ from load_tests.workload import (
     Workload, WorkloadRequest, random_prompts, representative_subset, text_token_range, variance_workloads,
 )
 
-ALL_SYSTEMS = ["hf_naive", "hf_static16", "transformers_cb", "engine_static", "engine_continuous"]
+ALL_SYSTEMS = ["hf_naive", "hf_static16", "transformers_cb", "engine_static", "engine_continuous", "engine_fast"]
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -53,6 +53,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help=f"KV blocks for both paged systems; default: {d['kv_cache_memory_gib'].default} GiB worth")
     p.add_argument("--static-batch-size", type=int, default=16)
+    p.add_argument("--quantization", choices=["int8"], default=None, help="engine_fast's weight quantization")
     p.add_argument("--repeats", type=int, default=1,
                    help="interleaved rounds per cap; each system keeps its fastest (noisy shared machines)")
     args = p.parse_args(argv)
@@ -81,8 +82,12 @@ def build_systems(names: List[str], model, tokenizer, args, budgets: Budgets) ->
         else:
             from load_tests.engine_system import EngineSystem
 
-            scheduling = name.removeprefix("engine_")
-            systems[name] = EngineSystem(args.model, budgets, scheduling, args.static_batch_size)
+            if name == "engine_fast":
+                systems[name] = EngineSystem(args.model, budgets, "continuous", fast=True,
+                                             quantization=args.quantization)
+            else:
+                scheduling = name.removeprefix("engine_")
+                systems[name] = EngineSystem(args.model, budgets, scheduling, args.static_batch_size)
     return systems
 
 

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-BASELINES = {"vs_naive": "hf_naive", "vs_static16": "hf_static16", "vs_transformers_cb": "transformers_cb"}
+BASELINES = {"vs_naive": "hf_naive", "vs_static16": "hf_static16", "vs_transformers_cb": "transformers_cb",
+             "vs_engine_eager": "engine_continuous"}
 LABELS = {
     "hf_naive": "HF generate, one at a time",
     "hf_static16": "HF generate, static batches of 16",
     "transformers_cb": "transformers continuous batching",
     "engine_static": "iterserve engine, static (16)",
     "engine_continuous": "iterserve engine, continuous",
+    "engine_fast": "iterserve engine, fast forward",
 }
 # The targets, judged at the largest cap (128 by default): (system, key, minimum).
 TARGETS = [
@@ -18,6 +20,7 @@ TARGETS = [
     ("engine_continuous", "vs_transformers_cb", 1.5),
     ("engine_continuous", "forward_share", 0.85),
     ("engine_continuous", "kv_slot_use", 0.95),
+    ("engine_fast", "vs_engine_eager", 2.0),  # the fast forward against the eager fp32 one
 ]
 
 
@@ -60,7 +63,7 @@ def format_cap(cap_result: dict) -> str:
         f" prompt tokens; {w['output_tokens']} output tokens (mean {w['output_len_mean']:.1f}, "
         f"max {w['output_len_max']}), EOS ignored",
         f"{'system':<36}{'reqs':>5}{'out tok':>8}{'wall s':>8}{'tok/s':>8}{'x naive':>9}{'x stat16':>9}"
-        f"{'x tfCB':>8}{'fwd':>7}{'KV use':>8}{'load':>6}  check",
+        f"{'x tfCB':>8}{'x eager':>8}{'fwd':>7}{'KV use':>8}{'load':>6}  check",
     ]
     for name, e in cap_result["systems"].items():
         label = LABELS.get(name, name) + (" *" if e.get("subset") else "")
@@ -72,7 +75,8 @@ def format_cap(cap_result: dict) -> str:
         lines.append(
             f"{label:<36}{e['num_requests']:>5}{e['output_tokens']:>8}{e['wall_seconds']:>8.1f}"
             f"{e['tokens_per_second']:>8.1f}{_ratio(r.get('vs_naive')):>9}{_ratio(r.get('vs_static16')):>9}"
-            f"{_ratio(r.get('vs_transformers_cb')):>8}{_pct(m.get('forward_share')):>7}"
+            f"{_ratio(r.get('vs_transformers_cb')):>8}{_ratio(r.get('vs_engine_eager')):>8}"
+            f"{_pct(m.get('forward_share')):>7}"
             f"{_pct(m.get('kv_slot_use')):>8}{max(e.get('load_avg_1m_after_rounds') or [0]):>6.1f}  {check}"
         )
     naive = cap_result["systems"].get("hf_naive")

@@ -1,5 +1,6 @@
 """Servers a benchmark starts and stops itself: this application as a user runs it (`serve run`), and
-the outside peer (`transformers serve --continuous-batching`). Each runs in its own process group,
+the outside peer (`transformers serve --continuous-batching`); llama.cpp's server starts the same way
+(load_tests/llamacpp_server.py). Each runs in its own process group,
 is ready when GET /health answers 200, and is stopped with everything it started when the block ends.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import yaml
 
 
 @contextlib.contextmanager
-def _process_group(cmd: List[str], url: str, log_path: Path, start_timeout_s: float, stop_signal: int,
+def process_group(cmd: List[str], url: str, log_path: Path, start_timeout_s: float, stop_signal: int,
                    env: Optional[dict] = None) -> Iterator[subprocess.Popen]:
     import httpx
 
@@ -60,7 +61,7 @@ def peer_server(model_dir: str, port: int, log_path: Path, start_timeout_s: floa
            "--host", "127.0.0.1", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-    with _process_group(cmd, url, log_path, start_timeout_s, signal.SIGTERM, env=env):
+    with process_group(cmd, url, log_path, start_timeout_s, signal.SIGTERM, env=env):
         yield url
 
 
@@ -90,5 +91,5 @@ def serve_run(config_path: str, port: int, log_path: Path, start_timeout_s: floa
     env.update(extra_env or {})
     cmd = [str(Path(sys.executable).parent / "serve"), "run", str(copy)]
     url = f"http://127.0.0.1:{port}{route}"
-    with _process_group(cmd, url, log_path, start_timeout_s, signal.SIGINT, env=env):
+    with process_group(cmd, url, log_path, start_timeout_s, signal.SIGINT, env=env):
         yield url

@@ -14,6 +14,9 @@ import pytest
 from cluster.local_serve import LocalServe, free_port, local_serve
 
 # Replica processes inherit the driver's environment when ray.init starts the cluster here.
+# Engines run eagerly unless a test asks to compile (tests/test_compiled_forward.py): compiling each of
+# the suite's engines would cost minutes. Ray workers and `make serve` subprocesses inherit it.
+os.environ.setdefault("ITERSERVE_COMPILE", "off")
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 
@@ -83,7 +86,7 @@ def serve_cluster():
 
 def tiny_config(**replica) -> dict:
     return {
-        "engine": {"model": TINY, "num_threads": 1, "num_kv_blocks": 512, "block_size": 8,
+        "engine": {"model": TINY, "dtype": "float32", "num_threads": 1, "num_kv_blocks": 512, "block_size": 8,
                    "max_num_seqs": 16},
         "replica": {"num_replicas": 1, **replica},
         "stream": {"interval_ms": 10},

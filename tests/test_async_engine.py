@@ -11,7 +11,7 @@ from batcher import (AsyncLLMEngine, EngineConfig, EngineDeadError, InvalidReque
                      RequestTooLongError, SamplingParams)
 from tests.reference import mixed_prompts
 
-CONFIG = EngineConfig(model="tiny-llama", max_model_len=512, num_kv_blocks=256, block_size=4)
+CONFIG = EngineConfig(model="tiny-llama", dtype="float32", max_model_len=512, num_kv_blocks=256, block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -226,10 +226,12 @@ def test_callers_read_a_published_snapshot_never_the_engine_queues():
         e.shutdown()
 
 
-def _fail_next_forward(e: AsyncLLMEngine) -> None:
-    def execute(*args, **kwargs):
-        raise RuntimeError("forward failed")
-    e.engine.runner.execute = execute  # fault injection: the loop thread's next step raises
+def _break_the_loop(e: AsyncLLMEngine) -> None:
+    """The loop thread's next step raises outside the forward and the sampler (a failing forward
+    fails only its step's requests: tests/test_step_faults.py), so the loop dies."""
+    def schedule():
+        raise RuntimeError("scheduler failed")
+    e.engine.scheduler.schedule = schedule
 
 
 async def _drain(stream):
@@ -242,16 +244,16 @@ def test_a_dead_loop_is_logged_once_and_fails_open_streams_at_once(caplog):
         async def main():
             stream = e.stream([5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
             await stream.__anext__()
-            _fail_next_forward(e)
-            with pytest.raises(EngineDeadError, match="forward failed"):
+            _break_the_loop(e)
+            with pytest.raises(EngineDeadError, match="scheduler failed"):
                 await asyncio.wait_for(_drain(stream), 10)
-            with pytest.raises(EngineDeadError, match="forward failed"):
+            with pytest.raises(EngineDeadError, match="scheduler failed"):
                 await asyncio.wait_for(_drain(e.stream([7], SamplingParams(max_tokens=4))), 10)
 
         with caplog.at_level(logging.ERROR, logger="batcher.async_engine"):
             run(main())
         died = [r for r in caplog.records if r.name == "batcher.async_engine"]
-        assert len(died) == 1 and died[0].exc_info and "forward failed" in str(died[0].exc_info[1])
+        assert len(died) == 1 and died[0].exc_info and "scheduler failed" in str(died[0].exc_info[1])
     finally:
         e.shutdown()
 
@@ -265,7 +267,7 @@ def test_a_stream_registered_just_after_the_loop_died_fails_at_once():
 
         def make_then_die(*args, **kwargs):
             request = make_request(*args, **kwargs)
-            _fail_next_forward(e)
+            _break_the_loop(e)
             e.abort("nothing")  # wakes the loop: it steps nothing yet
             e._send("add", make_request([9, 9], SamplingParams(max_tokens=2)))
             e._thread.join(timeout=10)
@@ -277,7 +279,7 @@ def test_a_stream_registered_just_after_the_loop_died_fails_at_once():
         async def main():
             return await asyncio.wait_for(_drain(e.stream([5], SamplingParams(max_tokens=4))), 10)
 
-        with pytest.raises(EngineDeadError, match="forward failed"):
+        with pytest.raises(EngineDeadError, match="scheduler failed"):
             run(main())
     finally:
         e.shutdown()

@@ -8,12 +8,12 @@ from tests.reference import mixed_prompts
 
 @pytest.fixture(scope="module")
 def tiny():
-    return LLMEngine(EngineConfig(model="tiny-llama", max_model_len=256, num_kv_blocks=128, block_size=4))
+    return LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4))
 
 
 @pytest.fixture(scope="module")
 def smol():
-    return LLMEngine(EngineConfig(model="smollm2-135m-instruct", num_kv_blocks=256))
+    return LLMEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32", num_kv_blocks=256))
 
 
 def chat(engine, text):

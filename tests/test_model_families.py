@@ -30,7 +30,7 @@ def test_greedy_parity_from_a_local_directory(family, tmp_path):
                        max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         for p, n in zip(prompts, lengths)
     ]
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, block_size=4,
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=4,
                                     max_num_batched_tokens=16))
     outs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
     assert [o.token_ids for o in outs] == expected

@@ -80,10 +80,11 @@ def test_offline_end_to_end_tiny(tmp_path):
     for cap_result in report["results"]:
         systems = cap_result["systems"]
         assert set(systems) == {"hf_naive", "hf_static16", "transformers_cb", "engine_static",
-                                "engine_continuous"}
+                                "engine_continuous", "engine_fast"}
         assert systems["hf_naive"]["num_requests"] == 3 and systems["hf_naive"]["subset"]
         for entry in systems.values():
             assert entry["length_errors"] == 0  # every request produced exactly its requested tokens
         assert systems["hf_static16"]["output_tokens"] == cap_result["workload"]["output_tokens"]
         assert 0 < systems["engine_continuous"]["metrics"]["kv_slot_use"] <= 1
-    assert {c["metric"] for c in report["targets"]} >= {"vs_naive", "forward_share", "kv_slot_use"}
+    assert {c["metric"] for c in report["targets"]} >= {"vs_naive", "forward_share", "kv_slot_use",
+                                                         "vs_engine_eager"}

@@ -164,7 +164,7 @@ def hf_generate(name, prompt_ids, max_new_tokens, **kwargs):
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    return LLMEngine(EngineConfig(model=TINY))
+    return LLMEngine(EngineConfig(model=TINY, dtype="float32"))
 
 
 @pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 8, "num_kv_blocks": 40, "block_size": 4,
@@ -172,7 +172,7 @@ def tiny_engine():
 def test_greedy_with_repetition_penalty_equals_hf_generate(engine_kwargs):
     prompts = mixed_prompts(TINY)
     penalties = [0.5, 1.0, 1.3, 2.0, 0.8, 1.0, 1.6][:len(prompts)]
-    engine = LLMEngine(EngineConfig(model=TINY, **engine_kwargs))
+    engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", **engine_kwargs))
     outs = engine.generate(prompts, [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=r)
                                      for r in penalties])
     expected = [hf_generate(TINY, p, 20, repetition_penalty=r) for p, r in zip(prompts, penalties)]
@@ -189,7 +189,7 @@ def test_greedy_with_repetition_penalty_equals_hf_generate(engine_kwargs):
 def test_smollm2_greedy_with_repetition_penalty_equals_hf_generate():
     name = "smollm2-135m-instruct"
     prompt = mixed_prompts(name, n_random=0)[1]
-    engine = LLMEngine(EngineConfig(model=name, num_threads=2, kv_cache_memory_gib=0.25))
+    engine = LLMEngine(EngineConfig(model=name, dtype="float32", num_threads=2, kv_cache_memory_gib=0.25))
     [out] = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
                                                      repetition_penalty=1.3))
     assert out.token_ids == hf_generate(name, prompt, 24, repetition_penalty=1.3)

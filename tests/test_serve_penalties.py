@@ -48,7 +48,7 @@ def offline():
     """The engine's own offline answers for tiny-llama, computed in this process."""
     from batcher import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=TINY))
+    engine = LLMEngine(EngineConfig(model=TINY, dtype="float32"))
 
     def answer(prompt, **params):
         return engine.generate([prompt], SamplingParams(temperature=0.0, **params))[0]
