@@ -26,11 +26,11 @@ TARGETS = [
 
 def add_ratios(systems: Dict[str, dict]) -> None:
     """Throughput ratios (output tokens/s) of every system against each baseline that ran."""
-    for entry in systems.values():
+    for name, entry in systems.items():
         entry["ratios"] = {
             key: entry["tokens_per_second"] / systems[base]["tokens_per_second"]
             for key, base in BASELINES.items()
-            if base in systems and systems[base]["tokens_per_second"] > 0
+            if base in systems and base != name and systems[base]["tokens_per_second"] > 0
         }
 
 

@@ -47,13 +47,15 @@ def _entry(tps, **metrics):
 
 def test_ratios_and_targets():
     systems = {"hf_naive": _entry(10.0), "hf_static16": _entry(20.0), "transformers_cb": _entry(30.0),
-               "engine_continuous": _entry(50.0, forward_share=0.9, kv_slot_use=0.9)}
+               "engine_continuous": _entry(50.0, forward_share=0.9, kv_slot_use=0.9),
+               "engine_fast": _entry(90.0)}
     add_ratios(systems)
     assert systems["engine_continuous"]["ratios"] == pytest.approx(
-        {"vs_naive": 5.0, "vs_static16": 2.5, "vs_transformers_cb": 50 / 30})
+        {"vs_naive": 5.0, "vs_static16": 2.5, "vs_transformers_cb": 50 / 30})  # never against itself
+    assert systems["engine_fast"]["ratios"]["vs_engine_eager"] == pytest.approx(1.8)
     checks = {c["metric"]: c["met"] for c in check_targets(systems, 128)}
     assert checks == {"vs_naive": True, "vs_static16": True, "vs_transformers_cb": True,
-                      "forward_share": True, "kv_slot_use": False}
+                      "forward_share": True, "kv_slot_use": False, "vs_engine_eager": False}
     text = format_cap({"cap": 128, "workload": {"num_requests": 4, "prompt_tokens": 16, "output_tokens": 40,
                                                 "output_len_mean": 10.0, "output_len_max": 20},
                        "systems": systems})
