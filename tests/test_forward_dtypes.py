@@ -1,4 +1,4 @@
-"""The dtype the engine runs in, weight-only int8, and the exactness each keeps (docs/engine.md).
+"""The dtype the engine runs in, weight-only int8, and the exactness each keeps (docs/forward.md).
 
 float32 is token-identical to HF generate (tests/test_engine_parity.py). bf16 and int8 are not, even
 against HF in the same dtype: the paged attention and the packed batch round differently from HF's
