@@ -55,6 +55,7 @@ bench-routing: model
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m load_tests.router_micro
 	$(BIN)/python -m load_tests.routing
+	$(BIN)/python -m load_tests.routing --replicas 4 --workloads trace --json results/routing_trace.json
 
 # Mixed traffic against its own local app: make soak SOAK_ARGS="--minutes 10 --rate 1" (--help for the rest)
 SOAK_ARGS ?= --minutes 10 --rate 1

@@ -16,8 +16,9 @@ from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from batcher.config import EngineConfig
 from batcher.errors import EngineDeadError, EngineError, InvalidRequestError, StepError
-from batcher.llm_engine import EngineRequest, LLMEngine, Prompt
-from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completion_from_deltas, merge_deltas
+from batcher.engine_request import EngineRequest
+from batcher.llm_engine import LLMEngine, Prompt
+from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice, merge_by_choice
 from batcher.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -123,9 +124,7 @@ class AsyncLLMEngine:
                 except EngineError as e:  # e.g. a duplicate id: that caller's error, not the loop's
                     self._dispatch_error(item.seq.request_id, e)
             else:
-                final = self.engine.abort(item)
-                if final is not None:
-                    deltas.append(final)
+                deltas += self.engine.abort_choices(item)
 
     def _dispatch(self, deltas: List[StreamDelta]) -> None:
         by_loop: Dict[asyncio.AbstractEventLoop, List[Tuple[asyncio.Queue, StreamDelta]]] = defaultdict(list)
@@ -144,18 +143,27 @@ class AsyncLLMEngine:
     # -- caller side --------------------------------------------------------------------------
     async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> AsyncIterator[StreamDelta]:
-        """Yields the request's deltas; tokens that piled up while the caller was busy come as one.
-        Leaving the loop early (or being cancelled) aborts the request and frees its KV blocks."""
+        """Yields the request's deltas (with n > 1, its choices' interleaved: StreamDelta.index); tokens
+        that piled up while the caller was busy come as one per choice. Leaving the loop early (or
+        being cancelled) aborts the request and frees its KV blocks."""
         self.check_health()
         async for delta in self._run_request(self.engine.make_request(prompt, params, request_id, cache_salt)):
             yield delta
 
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> Completion:
+        """The whole answer of a request with n = 1 (generate_choices takes any n)."""
+        if params is not None and params.n != 1:
+            raise InvalidRequestError("generate() returns one completion: use generate_choices() for n > 1")
+        return (await self.generate_choices(prompt, params, request_id, cache_salt))[0]
+
+    async def generate_choices(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                               request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> List[Completion]:
+        """The n completions of a request, by index."""
         self.check_health()
         request = self.engine.make_request(prompt, params, request_id, cache_salt)
         deltas = [d async for d in self._run_request(request)]
-        return completion_from_deltas(request.seq.prompt_token_ids, deltas)
+        return completions_by_choice(request.seq.prompt_token_ids, deltas)
 
     async def _run_request(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
         rid = request.seq.request_id
@@ -167,17 +175,20 @@ class AsyncLLMEngine:
             self._streams.pop(rid, None)
             raise self._dead_error()
         self._send("add", request)
-        finished, first = False, True
+        finished, first, open_choices = False, True, set(range(request.seq.params.n))
         try:
             while not finished:
-                delta = _raise_if_error(await q.get())
-                # A slow consumer gets piled-up deltas merged, but the first token always goes
-                # out alone so time-to-first-token stays observable downstream.
+                piled = [_raise_if_error(await q.get())]
+                # A slow consumer gets piled-up deltas merged (one per choice), but the first token
+                # always goes out alone so time-to-first-token stays observable downstream.
                 while not first and not q.empty():
-                    delta = merge_deltas(delta, _raise_if_error(q.get_nowait()))
+                    piled.append(_raise_if_error(q.get_nowait()))
                 first = False
-                finished = delta.finish_reason is not None
-                yield delta
+                for delta in merge_by_choice(piled):
+                    if delta.finish_reason is not None:
+                        open_choices.discard(delta.index)
+                    finished = not open_choices
+                    yield delta
         finally:
             self._streams.pop(rid, None)
             if not finished:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 from batcher.block_hash import BlockHash, iter_block_hashes
 from batcher.sequence import Sequence
@@ -94,7 +94,8 @@ class BlockManager:
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
         seq.num_computed_tokens = len(cached) * self.block_size
-        if not seq.num_preemptions:  # what the client is told was cached: the first admission's
+        # What the client is told was cached: the first admission's (a forked choice's is its parent's).
+        if not seq.num_preemptions and not seq.index:
             seq.num_cached_tokens = seq.num_computed_tokens
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_computed_tokens
@@ -107,6 +108,26 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def can_fork(self, parent: Sequence) -> bool:
+        return self.num_free_blocks >= (1 if parent.num_computed_tokens % self.block_size else 0)
+
+    def fork(self, parent: Sequence, child: Sequence) -> Optional[Tuple[int, int]]:
+        """Gives `child` (holding no blocks) `parent`'s computed tokens: the full blocks shared (one
+        more reference each), the partial last block, which both will write, as a new block. Returns
+        (parent's block, child's copy) for the caller to copy the K/V, or None when there is no
+        partial block. Check can_fork first."""
+        assert not child.block_table, "fork() takes a child that holds no blocks"
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        for block_id in parent.block_table[:num_full]:
+            self.blocks[block_id].ref_count += 1  # held by the parent: never in the free list
+        child.block_table = parent.block_table[:num_full]
+        child.block_hashes = parent.block_hashes[:num_full]
+        child.num_computed_tokens = parent.num_computed_tokens
+        if not partial:
+            return None
+        child.block_table.append(self._take_free_block())
+        return parent.block_table[num_full], child.block_table[-1]
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks go to the free list first, so they are evicted before shared prefixes.

@@ -5,8 +5,7 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence as Seq, Union
+from typing import Dict, List, Optional, Sequence as Seq, Tuple, Union
 
 import torch
 
@@ -15,10 +14,11 @@ from batcher.block_hash import root_hash
 from batcher.block_manager import BlockManager
 from batcher.config import EngineConfig
 from batcher.detokenizer import IncrementalDetokenizer
+from batcher.engine_request import EngineChoice, EngineRequest
 from batcher.errors import InvalidRequestError, RequestTooLongError, StepError
 from batcher.model_loader import context_length, load_model, load_tokenizer, resolve_device, resolve_dtype
 from batcher.model_runner import ModelRunner
-from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, TokenLogprob, completion_from_deltas
+from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice
 from batcher.paged_attention import KVCache
 from batcher.sampler import Sampler
 from batcher.sampling_params import SamplingParams
@@ -27,16 +27,6 @@ from batcher.sequence import Sequence
 from batcher.trace import OccupancyTrace
 
 Prompt = Union[str, List[int]]
-
-
-@dataclass(eq=False)
-class EngineRequest:
-    """Engine-side state of one request beyond what the scheduler sees."""
-
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    logprobs: Optional[List[TokenLogprob]]
-    num_sent: int = 0  # output tokens already handed out in deltas
 
 
 class LLMEngine:
@@ -136,8 +126,11 @@ class LLMEngine:
             raise RequestTooLongError("the KV cache capacity", needed, self.kv_capacity_tokens,
                                       f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params, cache_root=root_hash(self.model_name, cache_salt))
-        return EngineRequest(seq, IncrementalDetokenizer(self._detok_tokenizer, params.stop),
-                       [] if params.logprobs is not None else None)
+        return EngineRequest([self._choice(seq)])
+
+    def _choice(self, seq: Sequence) -> EngineChoice:
+        return EngineChoice(seq, IncrementalDetokenizer(self._detok_tokenizer, seq.params.stop),
+                            [] if seq.params.logprobs is not None else None)
 
     def add(self, request: EngineRequest) -> None:
         rid = request.seq.request_id
@@ -154,13 +147,19 @@ class LLMEngine:
         return request.seq.request_id
 
     def abort(self, request_id: str) -> Optional[StreamDelta]:
-        """Frees the request's blocks at once; returns its final delta, or None if unknown."""
+        """abort_choices' first delta (choice 0's, the only one when n = 1), or None if unknown."""
+        return next(iter(self.abort_choices(request_id)), None)
+
+    def abort_choices(self, request_id: str) -> List[StreamDelta]:
+        """Frees the request's blocks at once; returns the final delta of each choice that had not
+        finished (choices not forked yet included), none if the request is unknown."""
         request = self.requests.get(request_id)
         if request is None:
-            return None
+            return []
+        open_choices = [c for c in request.choices if not c.seq.is_finished]
         self._finish(request, "abort")
         self.counters.aborted_requests += 1
-        return self._delta(request)
+        return [c.delta() for c in open_choices] + request.unforked_deltas("abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -180,23 +179,37 @@ class LLMEngine:
         try:
             logits = self.runner.execute(out.scheduled)
             t2 = time.perf_counter()
+            forks = {seq: [seq.fork(i) for i in range(1, seq.params.n)] for seq in sampling
+                     if len(self.requests[seq.request_id].choices) < seq.params.n}
+            if forks:  # each new choice samples its first token from its parent's logits
+                rows = [i for i, seq in enumerate(sampling) for _ in range(1 + len(forks.get(seq, ())))]
+                sampling = [c for seq in sampling for c in (seq, *forks.get(seq, ()))]
+                logits = logits[torch.tensor(rows)] if torch.is_tensor(logits) else [logits[i] for i in rows]
             tokens, logprobs = self.sampler.sample(logits, sampling)
         except Exception as e:  # a kernel error, NaN probabilities, device OOM: this step's requests only
             raise self._fail_step(out, e) from e
         self.scheduler.update_after_step(out)
+        for parent, children in forks.items():  # the prompt's K/V is computed now: share it
+            pairs = self.scheduler.fork(parent, children)
+            if not self.simulation:  # a simulated runner holds no K/V
+                self.runner.kv_cache.copy_blocks(pairs)
+            self.requests[parent.request_id].choices += [self._choice(c) for c in children]
         c = self.counters
         c.tokens_computed += out.num_tokens
         c.kv_slot_use_sum += self.scheduler.kv_slot_use()
         deltas = []
         for seq, token, lp in zip(sampling, tokens, logprobs):
             request = self.requests[seq.request_id]
+            choice = request.choices[seq.index]
             seq.append_token(token)
             if lp is not None:
-                request.logprobs.append(lp)
-            reason = self._stop_reason(request, token)
+                choice.logprobs.append(lp)
+            reason = self._stop_reason(choice, token)
             if reason:
-                self._finish(request, reason)
-            deltas.append(self._delta(request))
+                self.scheduler.finish(seq, reason)
+                if request.finished:
+                    self._finish(request, reason)
+            deltas.append(choice.delta())
         if self.trace is not None:
             self.trace.record(out.scheduled, {s.request_id for s in self.scheduler.running}, len(self.scheduler.waiting))
         c.generated_tokens += len(tokens)
@@ -209,7 +222,7 @@ class LLMEngine:
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> StepError:
         """Ends `out`'s requests and frees their blocks; none reached the prefix cache (update_after_step
         did not run), so K/V the failed forward half wrote is never reused. Nothing else changes."""
-        ids = tuple(s.seq.request_id for s in out.scheduled)
+        ids = tuple(dict.fromkeys(s.seq.request_id for s in out.scheduled))  # choices of one request: once
         for rid in ids:
             self._finish(self.requests[rid], "error")
         self.counters.failed_steps += 1
@@ -222,38 +235,29 @@ class LLMEngine:
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
 
-    def _stop_reason(self, request: EngineRequest, token: int) -> Optional[str]:
-        seq, p = request.seq, request.seq.params
+    def _stop_reason(self, choice: EngineChoice, token: int) -> Optional[str]:
+        seq, p = choice.seq, choice.seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if request.detokenizer.add(seq.output_token_ids) is not None:
+        if choice.detokenizer.add(seq.output_token_ids) is not None:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _finish(self, request: EngineRequest, reason: str) -> None:
-        self.scheduler.finish(request.seq, reason)
+        """Ends the request: its open choices with `reason` (finished ones keep theirs)."""
+        for choice in request.choices:
+            self.scheduler.finish(choice.seq, reason)
         self.sampler.forget(request.seq.request_id)
         del self.requests[request.seq.request_id]
         self.counters.finished_requests += reason not in ("abort", "error")
 
-    def _delta(self, request: EngineRequest) -> StreamDelta:
-        seq = request.seq
-        new = seq.output_token_ids[request.num_sent:]
-        logprobs = request.logprobs[request.num_sent:] if request.logprobs is not None else None
-        request.num_sent = seq.num_output_tokens
-        return StreamDelta(
-            request_id=seq.request_id, token_ids=new, text=request.detokenizer.take(seq.is_finished),
-            finish_reason=seq.finish_reason, logprobs=logprobs,
-            num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-        )
-
     # -- offline ------------------------------------------------------------------------------
     def generate(self, prompts: Union[Prompt, Seq[Prompt]],
                  params: Union[None, SamplingParams, Seq[SamplingParams]] = None) -> List[Completion]:
-        """Runs prompts to completion, in order; a single prompt (str or token ids) is a list of one."""
+        """Runs prompts to completion, in order; a single prompt (str or token ids) is a list of one. A
+        request with n > 1 gives n completions in a row (Completion.index 0..n-1)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
@@ -272,11 +276,12 @@ class LLMEngine:
             for r in requests:
                 self.abort(r.seq.request_id)
             raise
-        return [completion_from_deltas(r.seq.prompt_token_ids, deltas[r.seq.request_id]) for r in requests]
+        return [c for r in requests for c in completions_by_choice(r.seq.prompt_token_ids, deltas[r.seq.request_id])]
 
     def held_request_ids(self) -> List[str]:
         """Ids of the requests waiting or running (request routers match them against their own)."""
-        return [q.request_id for queue in (self.scheduler.waiting, self.scheduler.running) for q in queue]
+        queues = (self.scheduler.waiting, self.scheduler.running)
+        return list(dict.fromkeys(q.request_id for queue in queues for q in queue))  # a request's choices: once
 
     def stats(self) -> EngineStats:
         """Counters and queue state now. Engine-thread only: other threads read snapshot()'s copy."""

@@ -23,11 +23,12 @@ class Completion:
     finish_reason: Optional[str]  # "stop" | "length" | "abort"
     logprobs: Optional[List[TokenLogprob]] = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    index: int = 0  # which of the request's n choices
 
 
 @dataclass
 class StreamDelta:
-    """What one request gained since the previous delta; finish_reason is set on the last one."""
+    """What one choice of a request gained since the previous delta; finish_reason is set on its last."""
 
     request_id: str
     token_ids: List[int]
@@ -37,6 +38,7 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    index: int = 0  # which of the request's n choices (SamplingParams.n)
 
 
 @dataclass
@@ -87,7 +89,8 @@ class EngineSnapshot:
 
 
 def merge_deltas(first: StreamDelta, later: StreamDelta) -> StreamDelta:
-    """One delta covering both (used to coalesce stream chunks)."""
+    """One delta covering both, of the same choice (used to coalesce stream chunks)."""
+    assert first.index == later.index, "deltas of different choices do not merge"
     logprobs = None
     if first.logprobs is not None or later.logprobs is not None:
         logprobs = (first.logprobs or []) + (later.logprobs or [])
@@ -100,7 +103,22 @@ def merge_deltas(first: StreamDelta, later: StreamDelta) -> StreamDelta:
         num_prompt_tokens=later.num_prompt_tokens,
         num_generated_tokens=later.num_generated_tokens,
         num_cached_tokens=later.num_cached_tokens,
+        index=later.index,
     )
+
+
+def merge_by_choice(deltas: List[StreamDelta]) -> List[StreamDelta]:
+    """One delta per choice, in the order the choices first appear."""
+    merged: Dict[int, StreamDelta] = {}
+    for d in deltas:
+        merged[d.index] = merge_deltas(merged[d.index], d) if d.index in merged else d
+    return list(merged.values())
+
+
+def completions_by_choice(prompt_token_ids: List[int], deltas: List[StreamDelta]) -> List[Completion]:
+    """A request's deltas (its choices' interleaved) -> one Completion per choice, by index."""
+    merged = sorted(merge_by_choice(deltas), key=lambda d: d.index)
+    return [completion_from_deltas(prompt_token_ids, [d]) for d in merged]
 
 
 def completion_from_deltas(prompt_token_ids: List[int], deltas: List[StreamDelta]) -> Completion:
@@ -115,4 +133,5 @@ def completion_from_deltas(prompt_token_ids: List[int], deltas: List[StreamDelta
         finish_reason=merged.finish_reason,
         logprobs=merged.logprobs,
         num_cached_tokens=merged.num_cached_tokens,
+        index=merged.index,
     )

@@ -43,6 +43,16 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    def copy_blocks(self, pairs) -> None:
+        """Copies every layer's K/V of each (source, copy) block pair (a fork's partial last block)."""
+        if not pairs:
+            return
+        bs = self.block_size
+        src, dst = (torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in blocks]) for blocks in zip(*pairs))
+        with torch.no_grad():
+            for cache in self.k + self.v:
+                cache.index_copy_(0, dst.to(cache.device), cache.index_select(0, src.to(cache.device)))
+
     @staticmethod
     def bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
         num_layers, num_kv_heads, head_dim = kv_geometry(model_config)

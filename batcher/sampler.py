@@ -2,6 +2,7 @@
 ask for them, then batched argmax for greedy rows and per-request generators for seeded ones."""
 from __future__ import annotations
 
+import hashlib
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -18,18 +19,19 @@ class Sampler:
 
     def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = ()):
         self._rng = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
-        self._generators: Dict[str, torch.Generator] = {}
+        self._generators: Dict[str, Dict[int, torch.Generator]] = {}  # request id -> choice index -> its own
         self._eos_token_ids = sorted(eos_token_ids)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.params.seed is None:
             return self._rng
-        g = self._generators.get(request_id)
+        choices = self._generators.setdefault(seq.request_id, {})
+        g = choices.get(seq.index)
         if g is None:
-            g = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+            g = choices[seq.index] = torch.Generator().manual_seed(choice_seed(seq.params.seed, seq.index))
         return g
 
     def sample(self, logits: torch.Tensor,
@@ -42,7 +44,7 @@ class Sampler:
         tokens = processed.argmax(dim=-1)
         for i, p in enumerate(params):
             if not p.greedy:
-                tokens[i] = self._sample_one(processed[i], p, self._generator(seqs[i].request_id, p))
+                tokens[i] = self._sample_one(processed[i], p, self._generator(seqs[i]))
         token_list = tokens.tolist()
         logprobs: List[Optional[TokenLogprob]] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -87,6 +89,16 @@ class Sampler:
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: the seed itself for choice 0 (so n=1
+    samples as before), a hash of both for the others (distinct streams; seed + index, as vLLM does,
+    would give a request seeded s+1 the same first choice as this one's second)."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")  # in [0, 2**64): manual_seed's range
 
 
 # Each helper below works in place on `sub` (one row per sequence in `seqs`), only on the rows whose

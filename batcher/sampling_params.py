@@ -9,12 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 SEED_RANGE = (-(2**63), 2**64)
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence_penalty and frequency_penalty
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, +100 all but forces it
+MAX_N = 128  # OpenAI's and vLLM's ceiling on `n`; the ingress's own limit (ingress.limits.max_n) is lower
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
+    n: int = Field(1, ge=1, le=MAX_N, description="Choices to generate from the one prompt (prefilled once, "
+                   "then forked); with `seed`, choice i samples with a seed derived from it (choice 0: `seed`).")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional, Set
+from typing import Deque, List, Optional, Set, Tuple
 
 from batcher.block_manager import BlockManager
 from batcher.sequence import Sequence, SequenceStatus
@@ -109,6 +109,33 @@ class Scheduler:
             if static:
                 self._static_batch.add(seq)
         self._batch_open = False
+
+    def fork(self, parent: Sequence, children: List[Sequence]) -> List[Tuple[int, int]]:
+        """Adds `parent`'s new choices (Sequence.fork) after its prompt was computed (update_after_step):
+        each shares its blocks while there is a seat in the batch and a block for the partial last
+        one; the others wait at the head of the queue, older than anything there, and come back
+        through the prefix cache like preempted sequences. Returns the (source, copy) block pairs
+        whose K/V the caller must copy."""
+        copies: List[Tuple[int, int]] = []
+        limit = self.static_batch_size if self.static_batch_size is not None else self.max_num_seqs
+        queued = []
+        for child in children:
+            if len(self.running) >= limit or not self.block_manager.can_fork(parent):
+                queued.append(child)
+                continue
+            pair = self.block_manager.fork(parent, child)
+            if pair is not None:
+                copies.append(pair)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+            if self.static_batch_size is not None:
+                self._static_batch.add(child)
+        for child in reversed(queued):
+            child.status = SequenceStatus.WAITING
+            self.waiting.appendleft(child)
+            if self.static_batch_size is not None:
+                self._static_batch.add(child)  # part of the running batch: it may come back to it
+        return copies
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, go back to the head of the queue."""

@@ -31,6 +31,7 @@ class Sequence:
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
+    index: int = 0  # which of the request's `params.n` choices this sequence generates
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -58,3 +59,9 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def fork(self, index: int) -> "Sequence":
+        """Choice `index` of this sequence's request: the same tokens, no blocks yet (the scheduler
+        gives it this sequence's blocks, or queues it), what the client is told was cached."""
+        return Sequence(self.request_id, self.prompt_token_ids, self.params, token_ids=list(self.token_ids),
+                        cache_root=self.cache_root, num_cached_tokens=self.num_cached_tokens, index=index)

@@ -79,6 +79,45 @@ PRESETS: Dict[str, SimPreset] = {
         num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
         kv_cache_memory_gib=54.0, mean_answer_tokens=256,
     ),
+    # Llama-3.1-70B-Instruct, bf16, one node of 8 H100 SXM 80GB with tensor parallelism 8, vLLM-like
+    # engine: prefill is costly (2.2x the 8B's per token, on 8 GPUs). Roofline from published figures:
+    # - NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3 and 989 TFLOP/s dense BF16 per GPU (x8: 26.8 TB/s).
+    # - Llama 3.1 70B model card / config.json: 70.6e9 parameters (141 GB in bf16), 80 layers, 8 KV
+    #   heads of dim 128 -> 320 KiB of KV per token (one KV head per GPU under TP 8).
+    # fixed: the weights read once per step across the 8 GPUs, 141 GB / 26.8 TB/s = 5.3 ms, + ~4.7 ms
+    #   of launch, scheduling and two NVLink all-reduces per layer (160 per step, ~20 us each: an
+    #   estimate, not a measurement) = 10 ms.
+    # prefill: 2 x 70.6e9 FLOP per token at ~40% of 8 x 989 TFLOP/s (TP 8 loses some MFU to the
+    #   all-reduces) = 45 us per token (~22k tok/s).
+    # context: 320 KiB per token / 26.8 TB/s = 12 ns per token of context per step.
+    # decode_seq: ~40 us per sequence per step, as for the 8B (sampling and bookkeeping, per replica).
+    # KV memory: 8 x (80 GB x 0.9 - 17.6 GB of weights - ~3 GB activations) = ~410 GB = ~380 GiB
+    #   -> ~1.2M tokens.
+    "h100x8-llama3-70b": SimPreset(
+        name="h100x8-llama3-70b",
+        description="Llama-3.1-70B bf16 on 8 H100 SXM, TP 8 (roofline from published specs)",
+        step=StepTimeModel(fixed_s=10.0e-3, prefill_token_s=45e-6, decode_seq_s=40e-6, context_token_s=12e-9),
+        num_layers=80, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
+        kv_cache_memory_gib=380.0, mean_answer_tokens=256,
+    ),
+    # Qwen2.5-32B-Instruct with FP8 weights (bf16 KV cache) on one H100 SXM 80GB: in bf16 its 65.5 GB
+    # of weights would leave ~4 GB for KV, so one GPU serves it in FP8 (vLLM's `quantization: fp8`).
+    # Prefill is the costliest per GPU of the presets. Roofline from published figures:
+    # - NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, 1979 TFLOP/s dense FP8.
+    # - Qwen2.5-32B config.json: 32.8e9 parameters (32.8 GB in FP8), 64 layers, 8 KV heads of dim 128
+    #   -> 256 KiB of bf16 KV per token.
+    # fixed: 32.8 GB / 3.35 TB/s = 9.8 ms + ~1.2 ms of launch and scheduling overhead = 11 ms.
+    # prefill: 2 x 32.8e9 FLOP per token at ~50% of 1979 TFLOP/s = 66 us per token (~15k tok/s).
+    # context: 256 KiB per token / 3.35 TB/s = 78 ns per token of context per step.
+    # decode_seq: ~40 us per sequence per step, as for the 8B.
+    # KV memory: 80 GB x 0.9 - 32.8 GB weights - ~3 GB activations = ~36 GB = ~33.5 GiB -> ~137k tokens.
+    "h100-qwen2.5-32b-fp8": SimPreset(
+        name="h100-qwen2.5-32b-fp8",
+        description="Qwen2.5-32B FP8 weights on one H100 SXM (roofline from published specs)",
+        step=StepTimeModel(fixed_s=11.0e-3, prefill_token_s=66e-6, decode_seq_s=40e-6, context_token_s=78e-9),
+        num_layers=64, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
+        kv_cache_memory_gib=33.5, mean_answer_tokens=256,
+    ),
     # SmolLM2-135M-Instruct, fp32, this project's engine on 2 CPU cores (2 torch threads), fitted to
     # 170 step times of the real engine measured here on a quiet machine with
     # `python -m load_tests.calibrate_sim` (2026-11-22; decode batches of 1-64, prompts of 32 and 192

@@ -29,8 +29,8 @@ from typing import Dict
 import numpy as np
 
 from cluster.fleet_sim import FleetSim, Result, SimWorkload
-from cluster.simulate import run_all
-from cluster.traces import Trace, day_trace, load_csv
+from cluster.simulate import load_trace, replica_rps, run_all
+from cluster.traces import Trace
 
 PHASES = ("rise", "steady", "fall")
 
@@ -69,7 +69,7 @@ def attribute(res: Result, clairvoyant: Result, phase: np.ndarray) -> Dict[str, 
 
 def reactive_bound(trace: Trace, work: SimWorkload, startup_s: float, headroom: float, slo_s: float,
                    dt_s: float, seed: int, max_replicas: int = 1000) -> Result:
-    per_replica = work.throughput_rps(work.max_num_seqs)  # full replicas: headroom 1.33 = 75% full
+    per_replica = replica_rps(work, 1.0)  # full replicas (slots or prefill budget): headroom 1.33 = 75% full
 
     def schedule(t: float) -> int:
         return max(1, min(max_replicas, math.ceil(headroom * trace.rate(t) / per_replica)))
@@ -79,7 +79,8 @@ def reactive_bound(trace: Trace, work: SimWorkload, startup_s: float, headroom: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", help="CSV with columns t_s,rate_rps (default: the built-in day, 4 h)")
+    ap.add_argument("--trace", help="rate CSV, request trace or bundled trace name (default: the built-in day, 4 h)")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply the trace's rate")
     ap.add_argument("--peak-rps", type=float, default=3000.0)
     ap.add_argument("--hours", type=float, default=4.0)
     ap.add_argument("--startup-s", type=float, default=60.0)
@@ -93,8 +94,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/autoscaling/breakdown.json")
     args = ap.parse_args(argv)
 
-    trace = load_csv(args.trace) if args.trace else day_trace(args.peak_rps, args.hours)
-    work = SimWorkload("h100-llama3-8b", args.max_num_seqs)
+    trace, tokens = load_trace(args.trace, args.rate_scale, peak_rps=args.peak_rps, hours=args.hours)
+    work = SimWorkload("h100-llama3-8b", args.max_num_seqs, prompt_tokens=round(tokens.get("input_tokens", 512)),
+                       output_tokens=round(tokens["output_tokens"]) if tokens else None)
     runs = run_all(trace, work, args.startup_s, args.slo_s, 1000, 0.75 * args.max_num_seqs, args.dt_s,
                    args.seed, names=("queue_depth",))
     clair = runs["clairvoyant"]

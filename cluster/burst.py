@@ -1,4 +1,5 @@
-"""`python -m cluster.burst --address HOST:PORT`: the autoscaling scenario on a running cluster.
+"""`python -m cluster.burst --address HOST:PORT`: the autoscaling scenario on a running cluster
+(and `replay_arrivals`, the open-loop trace replay cluster.sim_check drives real Serve with).
 
 Deploys simulated replicas (sim:cpu-smollm2: the real engine and Serve plumbing, forward replaced by
 sleeping) with the queue-depth policy, min 1 / max N replicas, then over HTTP (streaming completions):
@@ -17,23 +18,24 @@ import os
 import sys
 import time
 from collections import Counter
+from typing import List, Optional
 
 import httpx
+import numpy as np
 
 from cluster.local_serve import local_serve
 
 MAX_TOKENS = 32
 
 
-def app_config(max_replicas: int) -> dict:
+def app_config(max_replicas: int, slo_s: float = 1.0, startup_s: float = 10.0) -> dict:
     return {
         "engine": {"model": "sim:cpu-smollm2", "max_num_seqs": 4, "max_model_len": 512},
         "served_model_name": "sim",
         "replica": {"num_cpus": 0, "max_ongoing_requests": 4, "max_queued_requests": -1},
         "ingress": {"num_cpus": 0},
         "autoscaling": {"min_replicas": 1, "max_replicas": max_replicas, "metrics_interval_s": 0.5,
-                        "policy_kwargs": {"target_running": 2, "max_queue_wait_s": 1.0, "startup_s": 10.0,
-                                          "downscale_dwell_s": 5.0, "downscale_step_s": 2.0}},
+                        "policy_kwargs": {"slo_s": slo_s, "startup_s": startup_s}},
     }
 
 
@@ -71,6 +73,110 @@ class BurstTraffic:
         while not (self.stop_tail if tail else self.stop_burst) and not client.is_closed:
             await self.one(client, ident * 100000 + n)
             n += 1
+
+
+def replica_states(app: str) -> tuple:
+    """(running, starting, stopping) replicas of LLMServer, from Serve's status."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    dep = status.deployments.get("LLMServer") if status else None
+    states = dep.replica_states if dep else {}
+    return states.get("RUNNING", 0), states.get("STARTING", 0), states.get("STOPPING", 0)
+
+
+async def timed_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    """One streaming completion: seconds to the first token (None if none came), prompt tokens, ok."""
+    body = {"model": "sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
+    sent, out = time.monotonic(), {"ttft_s": None, "prompt_tokens": None, "ok": False, "latency_s": None}
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                out["error"] = f"http {resp.status_code}"
+                return out
+            async for line in resp.aiter_lines():
+                if line == "data: [DONE]":
+                    out["ok"], out["latency_s"] = True, time.monotonic() - sent
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if out["ttft_s"] is None and any(c.get("text") for c in chunk.get("choices") or []):
+                        out["ttft_s"] = time.monotonic() - sent
+                    if chunk.get("usage"):
+                        out["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
+    except Exception as e:  # counted, never raised: every request of the trace is accounted for
+        out["error"] = type(e).__name__
+    return out
+
+
+async def replay_arrivals(url: str, app: str, arrivals_s, prompts, max_tokens: int, until_s: float,
+                          sample_every_s: float = 0.5) -> dict:
+    """Sends prompts[i] at arrivals_s[i] (seconds from now, open loop) and samples the replica states
+    every sample_every_s until until_s and every request has ended."""
+    samples, t0, t0_wall = [], time.monotonic(), time.time()
+
+    async def at(i: int, client: httpx.AsyncClient) -> dict:
+        await asyncio.sleep(max(0.0, t0 + arrivals_s[i] - time.monotonic()))
+        return await timed_request(client, url, prompts[i], max_tokens)
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        tasks = [asyncio.create_task(at(i, client)) for i in range(len(prompts))]
+        try:
+            while time.monotonic() - t0 < until_s or not all(t.done() for t in tasks):
+                states = await asyncio.to_thread(replica_states, app)  # off the loop: TTFTs stay exact
+                samples.append((time.monotonic() - t0, *states))
+                await asyncio.sleep(sample_every_s)
+        finally:  # on any error too: no request outlives the replay
+            for task in tasks:
+                task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+    return {"samples": samples, "t0_wall": t0_wall, "requests": [r if isinstance(r, dict) else {"ttft_s": None, "ok": False,
+                                                                           "error": type(r).__name__}
+                                             for r in results]}
+
+
+def startup_from(samples: List[tuple], default: float) -> tuple:
+    """Seconds from the ask for each new replica (starting + running rising past k) to k running, one
+    per replica: (median, count, all); (default, 0, []) when none completed. Replicas asked together
+    land one by one (they start on shared cores), so their median is what a simulator that lands a
+    replica start-up seconds after its ask should take. Samples: (t, running, starting)."""
+    delays, asked_prev = [], samples[0][1] + samples[0][2] if samples else 0
+    for k, (t, running, starting) in enumerate(samples):
+        asked = running + starting
+        for n in range(max(asked_prev, running) + 1, asked + 1):
+            done = next((s[0] for s in samples[k:] if s[1] >= n), None)
+            cut = next((s[0] for s in samples[k:] if s[1] + s[2] < n), None)  # the ask was withdrawn
+            if done is not None and (cut is None or cut > done):
+                delays.append(round(done - t, 2))
+        asked_prev = asked
+    return (float(np.median(delays)), len(delays), delays) if delays else (default, 0, [])
+
+
+def full_step_s(reqs: List[dict], slo_s: float, max_tokens: int) -> Optional[float]:
+    """Median seconds per decoded token of requests that queued (TTFT past the SLO: they ran in a
+    full replica), i.e. a full replica's step time as measured; None without such requests."""
+    per = [(r["latency_s"] - r["ttft_s"]) / (max_tokens - 1) for r in reqs
+           if r["ok"] and r.get("latency_s") and r["ttft_s"] is not None and r["ttft_s"] > slo_s]
+    return float(np.median(per)) if per and max_tokens > 1 else None
+
+
+async def serve_replay(app: dict, arrivals_s, prompts, max_tokens: int, until_s: float) -> dict:
+    """`app` on a local Serve (started and stopped here): one request (the app answers; it is slow,
+    seconds, on a fresh app: more warm-up makes a policy scale and remember it before the replay),
+    then replay_arrivals; its result with `warm_up_s`."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    name = "replay"
+    with local_serve(logging_level="ERROR") as server:
+        serve.run(build_app(app), name=name, route_prefix="/")
+        ready = await replay_arrivals(server.url, name, [0.0], ["warm-up"], max_tokens, 0.0)
+        if not ready["requests"][0]["ok"]:
+            raise RuntimeError(f"the app does not answer: {ready['requests'][0]}")
+        got = await replay_arrivals(server.url, name, arrivals_s, prompts, max_tokens, until_s)
+    return {**got, "warm_up_s": ready["requests"][0]["latency_s"]}
 
 
 def replicas(app: str) -> tuple:

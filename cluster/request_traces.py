@@ -58,11 +58,16 @@ class RequestTrace:
         return replace(self, t_s=t, input_tokens=self.input_tokens[idx], output_tokens=self.output_tokens[idx],
                        hash_ids=hashes, notes=self.notes + ([note] if note else []))
 
+    def head(self, n: int) -> "RequestTrace":
+        """The first n requests."""
+        return self._take(np.arange(min(n, len(self))), note=f"first {n} requests") if n < len(self) else self
+
     def window(self, start_s: float, end_s: Optional[float] = None) -> "RequestTrace":
         """Requests arriving in [start_s, end_s), re-based so the window starts at 0."""
         end = np.inf if end_s is None else end_s
         keep = (self.t_s >= start_s) & (self.t_s < end)
-        return self._take(keep, self.t_s - start_s, f"window {start_s:g}-{end_s if end_s is not None else 'end'} s")
+        end_text = "end" if end_s is None else format(end_s, "g")
+        return self._take(keep, self.t_s - start_s, f"window {start_s:g}-{end_text} s")
 
     def time_scaled(self, speedup: float) -> "RequestTrace":
         """The same requests `speedup` times faster (gaps divided by it): rates multiply by it."""
@@ -181,6 +186,34 @@ def load_request_trace(path, block_tokens: int = 512) -> RequestTrace:
     return _trace(path, t, inp, out)
 
 
+def write_request_trace(trace: RequestTrace, path) -> Path:
+    """Writes `trace` so that load_request_trace reads it back: CSV `timestamp,input_tokens,output_tokens`
+    (seconds), or JSONL in Mooncake's layout (timestamp in ms, hash_ids when it has them); gzipped for
+    .gz. Exact for times from the first request at 0 (loading re-bases) and, in JSONL, in whole ms."""
+    path = Path(path)
+    kind = path.suffixes[-2] if path.suffix == ".gz" and len(path.suffixes) > 1 else path.suffix
+    if kind not in (".csv", ".jsonl"):
+        raise ValueError(f"{path}: expected .csv or .jsonl (optionally .gz)")
+    if kind == ".csv" and trace.hash_ids is not None:
+        raise ValueError(f"{path}: CSV has no column for hash_ids; write .jsonl to keep the prefix blocks")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = zip(trace.t_s.tolist(), trace.input_tokens.tolist(), trace.output_tokens.tolist())
+    with (gzip.open(path, "wt", newline="") if path.suffix == ".gz" else open(path, "w", newline="")) as f:
+        if kind == ".csv":
+            writer = csv.writer(f)
+            writer.writerow(["timestamp", "input_tokens", "output_tokens"])
+            writer.writerows([repr(float(t)), int(i), int(o)] for t, i, o in rows)
+            return path
+        for n, (t, i, o) in enumerate(rows):
+            ms = t * 1000.0
+            row = {"timestamp": round(ms) if abs(ms - round(ms)) < 1e-6 else ms, "input_length": int(i),
+                   "output_length": int(o)}
+            if trace.hash_ids is not None:
+                row["hash_ids"] = [int(h) for h in trace.hash_ids[n]]
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
 def bundled(name: str) -> Path:
     """A trace shipped in load_tests/traces/ by file name or stem (see its README.md)."""
     hits = sorted(p for p in TRACES_DIR.glob(f"{name}*") if p.name.split(".")[0] == name or p.name == name)
@@ -203,6 +236,10 @@ def prompt_token_ids(trace: RequestTrace, i: int, token_range: tuple, token_scal
     if blocks is None:
         rng = np.random.default_rng([seed, 1, i])
         return rng.integers(low, high, length).tolist()
+    if len(blocks) * trace.block_tokens >= int(trace.input_tokens[i]):
+        # The blocks hold the whole prompt: rounding under token_scale must not add tokens of its own
+        # (a turn would then stop being a prefix of the next).
+        length = min(length, len(blocks) * block)
     out: List[int] = []
     for b in blocks:
         out.extend(np.random.default_rng([seed, 0, b]).integers(low, high, block).tolist())

@@ -101,4 +101,4 @@ def write_csv(trace: Trace, path: str) -> None:
         w = csv.writer(f)
         w.writerow(["t_s", "rate_rps"])
         for t, r in zip(trace.t_s, trace.rate_rps):
-            w.writerow([f"{t:.1f}", f"{r:.3f}"])
+            w.writerow([f"{t:.3f}", f"{r:.3f}"])

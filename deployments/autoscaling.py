@@ -1,46 +1,38 @@
-"""Queue-depth autoscaling for LLM replicas: the policy Serve's controller calls every control tick.
+"""The LLM replicas' autoscaling policy: Serve's controller calls it every control tick.
 
-Serve wraps every policy (its own too) with `_apply_autoscaling_config`: scaling factors, then
-`upscale_delay_s` / `downscale_delay_s`, then min/max bounds. This policy keeps its own timing (the
-waits before each removal), so the app sets those delays to 0 and the factors to 1 for it.
+Two knobs, the TTFT SLO (`slo_s`) and the replica start-up time (`startup_s`, only until one is
+measured); the rest is measured from the replicas or derived from those two (docs/autoscaling.md):
 
-What it decides from, per replica (LLMServer.record_autoscaling_stats, averaged over the look-back):
-`running`, `waiting` (in the engine), `kv_usage`; and from the counters' raw series, `finished` and
-`preemptions` per second. From the callers' handles: `total_num_requests` (running + queued) and
-`total_queued_requests` (queued at handles, no replica yet).
-
-    queue     = requests waiting in engines + queued at handles; expected wait = queue / completions per s
-    capacity  = target_running sequences per replica, running and starting ones alike (capacity on the
-                way: a burst is not counted twice while its replicas start); a replica whose KV cache
-                is full or that preempted counts only what it runs now (it admits no more)
-    start-up  = measured from an ask for replicas that must start to their running (+ warmup_s);
-                startup_s until measured
-    up        : running sequences over capacity -> straight to the count that covers them; and when
-                the expected wait exceeds max_queue_wait_s and demand is not falling, enough replicas
-                for the arrival rate (completions + growth of the queue) plus draining a backlog within
-                queue_drain_s, at the measured service time (Little: running / completions per s).
-                The backlog is the one the new replicas will find: the queue plus its growth until
-                they run, re-estimated each tick of the first queue_drain_s of a rise (replicas
-                asked later land after it is drained)
-    draining  : while the queue shrinks (replicas that just landed took it up), neither rule adds
-                replicas: they run full by design until it is gone
-    lead      : growth_lead > 0 sizes for demand extrapolated over that share of the start-up time
-    down      : one replica per decision, only when the fleet without it keeps headroom (requests under
-                downscale_headroom of the smaller fleet's capacity, nothing queued, no KV pressure),
-                never within downscale_dwell_s of an addition (no reversal on a burst's tail) nor, for
-                reversal_guard_s, back to a count that had to grow unless demand has halved since
-                (steady load does not cycle). The wait
-                (downscale_dwell_s for the first removal after a rise, downscale_step_s for the next)
-                shrinks with how far load is below that headroom: a fleet twice too big empties fast
-    zero      : with min_replicas 0, the last replica leaves after scale_to_zero_dwell_s with no
-                request at all; requests that arrive then wait at the handles while Serve's cold start
-                path brings one replica back
+    measured  the start-up (ask -> all running); mu, the completions per second of a full replica
+              (requests wait in its engine, or at the handles while it runs 90% of its slots, or its
+              KV cache is full), averaged over a start-up; until one was full, the highest median
+              completion rate seen (a floor); the replica's slots (from the engine config via the
+              app, else the most it ran while requests queued)
+    rate      arrivals = completions + growth of the requests in the system over ~5 s, averaged over
+              a memory bucket; a ramp (up in 5 of the last 6 buckets, at most doubling) is projected
+              one start-up ahead, when replicas asked now land
+    need      the fewest replicas with under MISS of requests waiting past the SLO (M/M/c over the
+              slots), and the running requests at the slots with a sqrt-staffing margin; the larger
+    burst     a queue that would outlast a start-up at its pace: the arrival rate plus draining the
+              queue now within one start-up (not its projection: a burst may end before replicas land)
+    memory    arrivals and running requests per bucket of start-up/6 s, over the last
+              MEMORY_STARTUPS start-ups, as load (a better mu resizes them). A count of replicas is
+              kept while some bucket needed it within the last start-up (rent or buy: keeping an
+              idle replica one start-up costs what re-buying it does) or, for a count demand keeps
+              returning to after lulls (under half of it in between), while the silence since its
+              last visit is under RECUR_GAPS mean gaps between visits plus a start-up: a lull shorter
+              than the recurrence keeps the capacity, a longer silence is a trend and releases it.
+              Replicas asked for, and the fleet found at the first call, are kept a start-up
+    down      straight to the kept count, unless the drop is under max(2, sqrt(n) / 2) (noise)
+              and does not halve the fleet
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
-from typing import Any, Dict, Optional, Tuple
+from statistics import median
+from typing import Any, Dict, List, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -49,62 +41,39 @@ SERVE_POLICY_PATH = "ray.serve.autoscaling_policy:replica_queue_length_autoscali
 
 # Metric names LLMServer.record_autoscaling_stats reports.
 RUNNING, WAITING, KV_USAGE, FINISHED, PREEMPTIONS = "running", "waiting", "kv_usage", "finished", "preemptions"
-_LOW_SINCE = "iterserve_low_since"  # policy_state: when the fleet last started having headroom
-_STEPPING = "iterserve_stepping_down"  # policy_state: a removal happened since the last rise
-_HISTORY = "iterserve_demand"  # policy_state: recent (time, requests in the system, queued), for growth rates
-_LAST_UP = "iterserve_last_up"  # policy_state: when replicas were last added
-_ASK = "iterserve_ask"  # policy_state: (time, count) of the oldest ask for replicas to start, not yet running
-_STARTUP = "iterserve_startup_s"  # policy_state: measured start-up seconds
-_RISE = "iterserve_rise"  # policy_state: when the replicas now starting were first asked for
-_TOO_SMALL = "iterserve_too_small"  # policy_state: (time, count, demand) of the last fleet that had to grow
+KV_FULL = 0.9  # KV usage at which a replica admits no more (the engine's watermark)
+MEMORY_STARTUPS = 30  # how far back demand is remembered, in start-ups (30 min at 60 s)
+BUCKETS_PER_STARTUP = 6  # resolution of the memory: a 60 s start-up -> 10 s buckets (the traces' bins)
+RECUR_GAPS = 3.0  # a recurring level is released after a silence of this many mean gaps between visits
+GROWTH_SPAN_S = 5.0  # arrivals are completions + growth over this span (Serve's look-back for this policy)
+MISS = 0.01  # the share of requests the sizing lets wait past the SLO (M/M/c, Poisson arrivals)
+ERLANG_SERVERS = 512  # slots up to which P(wait) is computed (Erlang C); beyond, bounded by 1
+FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
+
+# Knob names of the 13-knob version: named in the error so a stale config says what replaced it.
+REMOVED_KNOBS = ("target_running", "max_queue_wait_s", "queue_drain_s", "warmup_s", "growth_lead", "kv_high",
+                 "downscale_headroom", "downscale_dwell_s", "downscale_step_s", "reversal_guard_s",
+                 "scale_to_zero_dwell_s")
+_S = "iterserve"  # policy_state keys: one dict under this name
 
 
 class QueueDepthPolicyConfig(BaseModel):
-    """The policy's knobs (`autoscaling.policy_kwargs`). Defaults fit the embedded model's config
-    (max_num_seqs 64 on 2 CPU cores)."""
+    """The policy's knobs (`autoscaling.policy_kwargs`): the SLO and the start-up time, no more."""
 
     model_config = ConfigDict(extra="forbid")
 
-    target_running: float = Field(
-        48.0, gt=0, description="Sequences per replica the fleet is sized for (0.75 x max_num_seqs: "
-        "room for a burst to land while new replicas start).")
-    max_queue_wait_s: float = Field(
-        2.0, gt=0, description="Expected queue wait (queued / measured completions per second) above "
-        "which replicas are added for the arrival rate plus draining the queue.")
-    queue_drain_s: float = Field(
-        30.0, gt=0, description="Time a backlog should take to drain once replicas are added: shorter "
-        "buys more replicas for a backlog that is gone once they start. At least half of startup_s.")
+    slo_s: float = Field(1.0, gt=0, description="Time-to-first-token SLO the fleet is sized for.")
     startup_s: float = Field(
-        30.0, gt=0, description="Replica start-up time (ask to running) used until one is measured.")
-    warmup_s: float = Field(
-        0.0, ge=0, description="Seconds a running replica needs before it serves at full speed (added "
-        "to the measured start-up time).")
-    growth_lead: float = Field(
-        0.0, ge=0, description="Size for demand extrapolated at its current growth over this share of "
-        "the start-up time (0: off, purely reactive).")
-    kv_high: float = Field(0.9, gt=0, le=1, description="KV usage at which a replica counts as full.")
-    downscale_headroom: float = Field(
-        0.7, gt=0, le=1, description="Remove a replica only if demand stays under this share of the "
-        "smaller fleet's capacity (the band between up and down stops oscillation).")
-    downscale_dwell_s: float = Field(
-        60.0, ge=0, description="No removal this soon after an addition; also the headroom held before "
-        "the first removal after a rise (shorter the further load is below the headroom).")
-    downscale_step_s: float = Field(5.0, ge=0, description="Headroom held before each further removal "
-                                    "(one replica each; shorter the further load is below the headroom).")
-    reversal_guard_s: float = Field(
-        600.0, ge=0, description="After a fleet of N replicas had to grow, no removal back to N for this "
-        "long unless demand has halved since: near saturation, running sequences fall as replicas are "
-        "added (faster steps), so a fleet that looks roomy would be too small again one replica down.")
-    scale_to_zero_dwell_s: float = Field(
-        300.0, ge=0, description="No request at all for this long before the last replica leaves "
-        "(only with min_replicas 0).")
+        30.0, gt=0, description="Replica start-up (ask to running) used until one is measured.")
 
-    @model_validator(mode="after")
-    def _drain_fits_startup(self) -> "QueueDepthPolicyConfig":
-        # A backlog drained much faster than replicas start buys replicas that arrive to an empty queue.
-        if self.queue_drain_s < self.startup_s / 2:
-            raise ValueError(f"queue_drain_s ({self.queue_drain_s}) must be >= startup_s / 2 ({self.startup_s / 2})")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_knobs(cls, data: Any) -> Any:
+        old = sorted(set(data) & set(REMOVED_KNOBS)) if isinstance(data, dict) else []
+        if old:
+            raise ValueError(f"{', '.join(old)}: removed; the policy takes only slo_s and startup_s "
+                             "(the rest is measured or derived, docs/autoscaling.md)")
+        return data
 
 
 def _rate(series) -> Optional[float]:
@@ -116,142 +85,214 @@ def _rate(series) -> Optional[float]:
     return max(0.0, last.value - first.value) / span if span >= 1.0 else None
 
 
-def _replicas_for(load: float, per_replica: float) -> int:
-    return math.ceil(load / per_replica - 1e-9)
+def _ceil(x: float) -> int:
+    return math.ceil(x - 1e-9)
+
+
+@functools.lru_cache(maxsize=4096)
+def _replicas_within_slo(arrivals: float, mu: float, slots: float, slo_s: float) -> int:
+    """The fewest replicas for which a request waits longer than the SLO with probability under
+    MISS (M/M/c: P(wait) x exp(-(n mu - arrivals) slo)). With the slots known and few of them, each
+    slot is a server of rate mu / slots and P(wait) is Erlang C; beyond ERLANG_SERVERS slots,
+    P(wait) <= 1 (a spare of ln(1 / MISS) / slo requests per second: conservative)."""
+    n = max(1, _ceil(arrivals / mu))
+    while True:
+        c = n * slots
+        if not slots or c > ERLANG_SERVERS:
+            return max(n, _ceil((arrivals + math.log(1 / MISS) / slo_s) / mu))
+        a, b = arrivals * slots / mu, 1.0  # offered load in slot-servers; Erlang B by recursion
+        for k in range(1, int(c) + 1):
+            b = a * b / (k + a * b)
+        wait = b / (1 - (a / c) * (1 - b)) if a < c else 1.0
+        if a < c and wait * math.exp(-(n * mu - arrivals) * slo_s) <= MISS:
+            return n
+        n += 1
 
 
 class QueueDepthPolicy:
     """`policy: deployments.autoscaling:QueueDepthPolicy`; Serve instantiates it once with policy_kwargs
-    and calls it with an AutoscalingContext each control tick."""
+    and calls it with an AutoscalingContext each control tick. `replica_slots` (sequences a replica
+    runs at once) is set by the app from the engine config, not by users; measured when absent."""
 
-    def __init__(self, **policy_kwargs: Any):
+    def __init__(self, replica_slots: Optional[float] = None, **policy_kwargs: Any):
         self.cfg = QueueDepthPolicyConfig(**policy_kwargs)
+        self.replica_slots = replica_slots
 
     def __call__(self, ctx) -> Tuple[int, Dict[str, Any]]:
-        c = self.cfg
         state = dict(ctx.policy_state or {})
+        s = dict(state.get(_S) or {})
         now = ctx.current_time if ctx.current_time is not None else time.time()
         target, ready = ctx.target_num_replicas, ctx.current_num_replicas
         lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
-        starting = max(0, target - ready)
-        startup = self._startup(state, now, target, ready) + c.warmup_s
+        startup = self._startup(s, now, target, ready)
 
-        metrics = ctx.aggregated_metrics or {}
-        raw = ctx.raw_metrics or {}
+        metrics, raw = ctx.aggregated_metrics or {}, ctx.raw_metrics or {}
         running, waiting, kv = metrics.get(RUNNING, {}), metrics.get(WAITING, {}), metrics.get(KV_USAGE, {})
-        queued = sum(waiting.values()) + (ctx.total_queued_requests or 0.0)
+        handle_queued = ctx.total_queued_requests or 0.0
+        queued = sum(waiting.values()) + handle_queued
         in_flight = sum(running.values())
-        # Handles see every request; the replicas' own reports are a floor (a caller without metrics).
         demand = max(ctx.total_num_requests or 0.0, in_flight + queued)
-        growth, queue_growth = self._growth(state, now, demand, queued)
-        # A queue that shrinks is being drained (new replicas took it up, or completions outpace
-        # arrivals): replicas run full by design until it is gone, and neither rule below adds any.
-        draining = queued > 0 and queue_growth < 0
+        growth, queue_growth = self._growth(s, now, demand, queued)
+        rates = {r: x for r in ctx.running_replicas if (x := _rate(raw.get(FINISHED, {}).get(r))) is not None}
+        completions = sum(rates.values())
+        arrivals = self._smoothed(s, now, max(0.0, completions + growth), startup / BUCKETS_PER_STARTUP)
+        if demand <= 0:  # nobody in the system over the look-back: the average's tail is no load
+            s["arrivals"], arrivals = (now, 0.0), 0.0
 
-        pressured = {r for r in ctx.running_replicas
-                     if kv.get(r, 0.0) >= c.kv_high or (_rate(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0}
-        capacity = sum(min(running.get(r, 0.0), c.target_running) if r in pressured else c.target_running
-                       for r in ctx.running_replicas)
-        capacity += starting * c.target_running
+        # Full replicas: their completion rate is what a replica can do (mu); their running count
+        # is its slots.
+        slots = self.replica_slots or s.get("slots")
+        full = [r for r in ctx.running_replicas
+                if waiting.get(r, 0.0) > 0 or kv.get(r, 0.0) >= KV_FULL
+                or (_rate(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0
+                or (handle_queued > 0 and running.get(r, 0.0) >= FULL_SHARE * (slots or 0.0))]
+        self._measure(s, now, startup, [rates[r] for r in full if r in rates],
+                      [running.get(r, 0.0) for r in full] if handle_queued > 0 else [])
+        if rates and completions > 0:  # a replica does at least what replicas do now: mu's floor
+            s["mu_floor"] = max(s.get("mu_floor") or 0.0, median(rates.values()))
+        mu, slots = s.get("mu") or s.get("mu_floor"), self.replica_slots or s.get("slots")
 
-        desired = target
-        # What runs now (or, with growth_lead, what will run by the time new replicas do) over capacity:
-        # straight to the count that covers it.
-        ahead = in_flight + c.growth_lead * max(0.0, growth) * startup
-        if ahead > capacity and not draining:
-            desired = target + _replicas_for(ahead - capacity, c.target_running)
-        # Replicas with a measured completion rate (a replica that just started has none yet).
-        measured = {r: x for r in ctx.running_replicas if (x := _rate(raw.get(FINISHED, {}).get(r))) is not None}
-        completions = sum(measured.values())
-        busy = sum(running.get(r, 0.0) for r in measured)
-        if queued > 0 and growth >= 0 and not draining:  # falling demand adds nothing
-            if completions > 0 and busy > 0:
-                if queued / completions > c.max_queue_wait_s:
-                    service_s = busy / completions  # Little's law, per request on a replica
-                    arrivals = completions + growth
-                    # Replicas that queue below target_running (long prompts, KV) run what they run.
-                    per_replica = min(c.target_running, busy / len(measured))
-                    # The backlog to drain is the one there will be when the replicas asked for run:
-                    # today's queue plus its growth until then (re-estimated every tick, not added
-                    # up). Replicas asked later than queue_drain_s into a rise land after the first
-                    # ones have drained it: they are asked for the arrival rate only.
-                    rise = state.get(_RISE) if starting else None
-                    since = now - rise if rise is not None else 0.0
-                    backlog = ((queued + queue_growth * max(0.0, startup - since)) / c.queue_drain_s
-                               if since < c.queue_drain_s else 0.0)
-                    need = (arrivals + backlog) * service_s / per_replica
-                    desired = max(desired, _replicas_for(need, 1.0))
-            elif demand > capacity:  # nothing measured yet (a first burst): count the queue as load
-                desired = max(desired, target + _replicas_for(demand - capacity, c.target_running))
-
-        if desired > target:
-            state[_LAST_UP], state[_TOO_SMALL] = now, (now, target, demand)
-            if not starting:
-                state[_RISE] = now
-            asked = min(desired, hi)
-            # Only replicas that must start time a start-up: clamped at max_replicas, the count asked
-            # for already runs, and the next tick would "measure" one tick and shrink the backlog.
-            if state.get(_ASK) is None and asked > max(target, ready):
-                state[_ASK] = (now, asked)
-        if desired > target or queued > 0 or pressured:
-            state[_LOW_SINCE], state[_STEPPING] = None, False
-        else:
-            desired = self._maybe_step_down(target, demand, lo, now, state)
+        # With a rate known, a queue is the burst rule's (a queue of thousands over slots would buy
+        # replicas for requests that are served before they land); before, it counts as load.
+        load = in_flight if mu else demand
+        need = self._need(arrivals + self._trend(s, startup), load, mu, slots)
+        s.setdefault("seed", (now, target))  # the fleet found at the first call: kept a start-up too
+        self._remember(s, now, startup, arrivals, load)
+        desired = need
+        if mu and queued > 0 and queued + queue_growth * startup > 0:
+            # A backlog that would outlast a start-up at its current pace: drain it within one
+            # start-up on top of the arrival rate (re-estimated every tick from the queue now, not its
+            # projection: a burst may end before the replicas land).
+            desired = max(desired, self._need(arrivals + queued / startup, 0.0, mu, None))
+        if desired < target:
+            desired = max(desired, self._kept(s, now, startup, target, mu, slots))
+            # Noise in what a fleet of n needs is about sqrt(n) (Poisson): a drop under half of that,
+            # or of one replica, is not one; halving the fleet always is.
+            if target - desired < max(2, math.sqrt(target) / 2) and desired > target / 2:
+                desired = target
+            if desired == 0 and target > 1:
+                desired = 1  # to zero only from one replica, as Serve's wrapper allows
+        if desired > target:  # a replica asked for is bought: kept at least a start-up
+            s["bought"] = (now, min(desired, hi))
+        if desired > max(target, ready) and s.get("ask") is None and min(desired, hi) > max(target, ready):
+            s["ask"] = (now, min(desired, hi))
+        state[_S] = s
         return max(lo, min(hi, desired)), state
 
-    def _startup(self, state: dict, now: float, target: int, ready: int) -> float:
+    def _need(self, arrivals: float, demand: float, mu: Optional[float], slots: Optional[float]) -> int:
+        """Replicas for `arrivals` per second at the SLO's utilization and for `demand` requests in the
+        system at `slots` per replica with a sqrt-staffing margin (Halfin-Whitt, beta 1)."""
+        n = 0
+        if mu and arrivals > 0:
+            n = _replicas_within_slo(round(arrivals, 3), mu, slots or 0, self.cfg.slo_s)
+        if slots and demand > 0:
+            n = max(n, _ceil((demand + math.sqrt(demand)) / slots))
+        if not mu and not slots and demand > 0:
+            n = max(n, 1)  # nothing measured yet: the queue rule (backlog) and Serve's cold start act
+        return n
+
+    @staticmethod
+    def _measure(s: dict, now: float, startup: float, full_rates: List[float], full_running: List[float]) -> None:
+        """mu: the median completion rate of full replicas, averaged over about a start-up (a replica
+        that turns full mid-window reads low, one that drains a backlog of prefilled requests high)."""
+        if full_running:
+            s["slots"] = max(s.get("slots") or 0.0, max(full_running))
+        if full_rates:
+            mu_now, mu = median(full_rates), s.get("mu")
+            if mu_now > 0:
+                a = 1.0 if not mu else 1.0 - math.exp(-max(0.0, now - s["mu_t"]) / startup)
+                s["mu"] = (mu or 0.0) + a * (mu_now - (mu or 0.0))
+            s["mu_t"] = now
+
+    @staticmethod
+    def _smoothed(s: dict, now: float, value: float, tau: float) -> float:
+        """An exponential average over ~tau seconds (arrivals from 5 s of counts are noisy)."""
+        last = s.get("arrivals")
+        if last is None:
+            s["arrivals"] = (now, value)
+            return value
+        a = 1.0 - math.exp(-max(0.0, now - last[0]) / tau)
+        s["arrivals"] = (now, last[1] + a * (value - last[1]))
+        return s["arrivals"][1]
+
+    @staticmethod
+    def _remember(s: dict, now: float, startup: float, arrivals: float, demand: float) -> None:
+        """Arrivals and requests in the system per bucket (means over its ticks), over the last
+        MEMORY_STARTUPS start-ups: [bucket start, arrivals, demand, ticks]. Kept as load, not as
+        replicas, so a better measured mu resizes what is remembered."""
+        width = startup / BUCKETS_PER_STARTUP
+        start = math.floor(now / width) * width
+        mem = [b for b in s.get("memory", []) if now - b[0] <= MEMORY_STARTUPS * startup]
+        if mem and mem[-1][0] == start:
+            t, a, d, k = mem[-1]
+            mem[-1] = [t, (a * k + arrivals) / (k + 1), (d * k + demand) / (k + 1), k + 1]
+        else:
+            mem.append([start, arrivals, demand, 1])
+        s["memory"] = mem
+
+    def _kept(self, s: dict, now: float, startup: float, below: int, mu, slots) -> int:
+        """The highest level (at most `below`) demand will likely need again within a start-up: needed
+        within the last start-up, or a level demand keeps returning to (more than one visit in the
+        memory) while the silence since its last visit is under RECUR_GAPS mean gaps between visits."""
+        floor = 0
+        for t, n in (s["seed"], s.get("bought") or (-math.inf, 0)):
+            if now - t <= startup:
+                floor = max(floor, min(below, n))
+        mem = s.get("memory", [])
+        needs = [(t, self._need(a, d, mu, slots)) for t, a, d, _ in mem]
+        width = startup / BUCKETS_PER_STARTUP
+        for level in range(min(below, max((n for _, n in needs), default=0)), floor, -1):
+            # Visits of the level, and the gaps between them in which demand fell to under half of it
+            # (a lull; a need flickering around the level is one visit, not a recurrence).
+            last, low, gaps = None, math.inf, []
+            for t, n in needs:
+                if n >= level:
+                    if last is not None and low < level / 2:
+                        gaps.append(t - last)
+                    last, low = t, math.inf
+                else:
+                    low = min(low, n)
+            age = now - last - width  # from the end of its last bucket
+            # Rent or buy: a replica kept idle one start-up costs what re-buying it does.
+            if age <= startup:
+                return level
+            if gaps and age <= RECUR_GAPS * sum(gaps) / len(gaps) + startup:
+                return level
+        return floor
+
+    @staticmethod
+    def _trend(s: dict, startup: float) -> float:
+        """A ramp: arrivals that rose in at least 5 of the last 6 buckets (a start-up), by at most
+        their own level, rise as much over the next start-up, when the replicas asked now land. A
+        burst jumps and then wanders: no trend (the backlog rule has it)."""
+        rates = [a for _, a, _, _ in s.get("memory", [])[-(BUCKETS_PER_STARTUP + 2):-1]]  # complete buckets
+        if len(rates) < BUCKETS_PER_STARTUP + 1:
+            return 0.0
+        steps = [b - a for a, b in zip(rates, rates[1:])]
+        rise = rates[-1] - rates[0]
+        # More than doubling within a start-up is a jump, not a ramp.
+        return rise if sum(d > 0 for d in steps) >= BUCKETS_PER_STARTUP - 1 and 0 < rise <= rates[0] else 0.0
+
+    @staticmethod
+    def _growth(s: dict, now: float, demand: float, queued: float) -> Tuple[float, float]:
+        """Requests per second the system and the queue gained over the last ~GROWTH_SPAN_S."""
+        history = [h for h in s.get("history", []) if now - h[0] <= 2 * GROWTH_SPAN_S]
+        history.append((now, demand, queued))
+        s["history"] = history
+        old = [h for h in history if now - h[0] >= GROWTH_SPAN_S]
+        t0, d0, q0 = old[-1] if old else history[0]
+        return ((demand - d0) / (now - t0), (queued - q0) / (now - t0)) if now > t0 else (0.0, 0.0)
+
+    def _startup(self, s: dict, now: float, target: int, ready: int) -> float:
         """Start-up seconds: the configured value until an ask has been seen through to running."""
-        ask = state.get(_ASK)
+        ask = s.get("ask")
         if ask is not None:
             asked_at, count = ask
             if ready >= min(count, target):  # all asked for run (or the ask was cut back)
                 if ready >= count:
-                    state[_STARTUP] = now - asked_at
-                state[_ASK] = None
-        return state.get(_STARTUP) or self.cfg.startup_s
-
-    @staticmethod
-    def _growth(state: dict, now: float, demand: float, queued: float, span_s: float = 5.0) -> Tuple[float, float]:
-        """Requests per second the system (arrivals beyond what completes) and the queue gained over
-        the last ~span_s."""
-        # (An entry of another shape is from an earlier version of this policy: dropped.)
-        history = [h for h in state.get(_HISTORY, []) if len(h) == 3 and now - h[0] <= 2 * span_s]
-        history.append((now, demand, queued))
-        state[_HISTORY] = history
-        old = [h for h in history if now - h[0] >= span_s]
-        t0, d0, q0 = old[-1] if old else history[0]
-        return ((demand - d0) / (now - t0), (queued - q0) / (now - t0)) if now > t0 else (0.0, 0.0)
-
-    def _maybe_step_down(self, target: int, demand: float, lo: int, now: float, state: dict) -> int:
-        c = self.cfg
-        smaller = target - 1
-        if smaller < lo:
-            state[_LOW_SINCE] = None
-            return target
-        room = c.downscale_headroom * smaller * c.target_running
-        fits = demand <= 0 if smaller == 0 else demand <= room
-        if not fits:
-            state[_LOW_SINCE] = None
-            return target
-        since = state.get(_LOW_SINCE)
-        if since is None:
-            state[_LOW_SINCE] = since = now
-        if smaller == 0:
-            dwell = c.scale_to_zero_dwell_s
-        else:
-            # Load at the headroom waits the full time; a fleet far too big for its load steps faster.
-            dwell = (c.downscale_step_s if state.get(_STEPPING) else c.downscale_dwell_s) * demand / room
-        last_up = state.get(_LAST_UP)
-        if last_up is not None and now - last_up < c.downscale_dwell_s:
-            return target  # no removal right after an addition: that would be a reversal
-        too_small = state.get(_TOO_SMALL)
-        if (too_small is not None and smaller <= too_small[1] and now - too_small[0] < c.reversal_guard_s
-                and demand > 0.5 * too_small[2]):
-            return target  # back to a count that proved too small for about this load: it would reverse
-        if now - since >= dwell:
-            state[_LOW_SINCE], state[_STEPPING] = None, True  # the next removal re-checks on fresh metrics
-            return smaller
-        return target
+                    s["startup_s"] = now - asked_at
+                s["ask"] = None
+        return s.get("startup_s") or self.cfg.startup_s
 
 
 def queue_depth_policy(ctx) -> Tuple[int, Dict[str, Any]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from batcher.config import EngineConfig
 from deployments.autoscaling import POLICY_PATH, SERVE_POLICY_PATH, QueueDepthPolicyConfig
@@ -67,6 +67,10 @@ class LimitsConfig(BaseModel):
     max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries (token ids), as OpenAI allows.")
     max_user_chars: int = Field(256, ge=1, description="Longest `user` field (OpenAI's end-user id).")
     max_request_id_chars: int = Field(256, ge=1, description="Longest request_id a Python caller may set.")
+    max_n: int = Field(
+        8, ge=1, le=128, description="Most choices (`n`) per request. Each choice is a sequence in the batch "
+        "with its own KV blocks past the shared prompt: on a few CPU cores 128 (OpenAI's and vLLM's ceiling) "
+        "from one client would fill a replica's batch and starve everyone else's.")
 
 
 class IngressConfig(BaseModel):
@@ -107,7 +111,8 @@ class StreamConfig(BaseModel):
 
 class AutoscalingConfig(BaseModel):
     """Serve's autoscaling options (same names) plus the policy. The default policy is
-    deployments.autoscaling:QueueDepthPolicy (knobs in `policy_kwargs`); Serve's own stays selectable
+    deployments.autoscaling:QueueDepthPolicy (its two knobs, slo_s and startup_s, in `policy_kwargs`;
+    the replica's slots are added from the engine config); Serve's own stays selectable
     with `policy: ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy`. Fields left
     unset take the chosen policy's defaults (see POLICY_DEFAULTS)."""
 
@@ -129,6 +134,8 @@ class AutoscalingConfig(BaseModel):
     downscaling_factor: Optional[float] = Field(None, gt=0)
     policy: str = Field(POLICY_PATH, description="'pkg.mod:fn' or 'pkg.mod:Class' autoscaling policy.")
     policy_kwargs: Dict[str, Any] = Field(default_factory=dict)
+    # Sequences one replica runs at once, from the engine config (AppConfig sets it): derived, not a knob.
+    _replica_slots: Optional[int] = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "AutoscalingConfig":
@@ -141,7 +148,10 @@ class AutoscalingConfig(BaseModel):
     def to_serve(self) -> dict:
         defaults = POLICY_DEFAULTS.get(self.policy, POLICY_DEFAULTS[SERVE_POLICY_PATH])
         d = {**defaults, **self.model_dump(exclude={"policy", "policy_kwargs"}, exclude_none=True)}
-        d["policy"] = {"policy_function": self.policy, "policy_kwargs": self.policy_kwargs}
+        kwargs = dict(self.policy_kwargs)
+        if self.policy == POLICY_PATH and self._replica_slots:
+            kwargs["replica_slots"] = self._replica_slots
+        d["policy"] = {"policy_function": self.policy, "policy_kwargs": kwargs}
         return d
 
 
@@ -189,6 +199,14 @@ class AppConfig(BaseModel):
     stream: StreamConfig = Field(default_factory=StreamConfig)
     autoscaling: Optional[AutoscalingConfig] = None
     router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @model_validator(mode="after")
+    def _replica_slots_for_the_policy(self) -> "AppConfig":
+        # The autoscaling policy sizes with what one replica runs at once: the engine's batch, capped
+        # by what Serve sends it.
+        if self.autoscaling is not None:
+            self.autoscaling._replica_slots = min(self.engine.max_num_seqs, self.replica.max_ongoing_requests)
+        return self
 
     @property
     def model_name(self) -> str:

@@ -26,7 +26,7 @@ from deployments.http_errors import install_error_handlers
 from deployments.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                          ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatMessageOut,
                                          CompletionChoice, CompletionLogprobs, CompletionRequest, ModelCard,
-                                         ModelList, TextCompletion, Usage, new_id)
+                                         ModelList, StreamUsage, TextCompletion, Usage, new_id)
 from deployments.limits import BodySizeLimit, RequestLimits
 from deployments.prompts import prepare
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, PreparedRequest
@@ -91,7 +91,8 @@ class OpenAIIngress:
         finished, output = False, []
         try:
             async for chunk in gen:
-                output += chunk.token_ids
+                if chunk.index == 0:  # the router learns one answer: choice 0's
+                    output += chunk.token_ids
                 yield chunk
             finished = True
         except Exception as e:
@@ -141,8 +142,9 @@ class OpenAIIngress:
         response.headers[REPLICA_HEADER] = out.replica_id
         return ChatCompletion(
             id=rid, created=created, model=self.model_name,
-            choices=[ChatChoice(message=ChatMessageOut(content=out.text), finish_reason=out.finish_reason,
-                                logprobs=ChatLogprobs.of(out.logprobs) if out.logprobs is not None else None)],
+            choices=[ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
+                                logprobs=ChatLogprobs.of(c.logprobs) if c.logprobs is not None else None)
+                     for c in out.choices or [out]],
             usage=Usage.of(out),
         )
 
@@ -158,9 +160,9 @@ class OpenAIIngress:
         response.headers[REPLICA_HEADER] = out.replica_id
         return TextCompletion(
             id=rid, created=created, model=self.model_name,
-            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
-                                      logprobs=CompletionLogprobs.of(out.logprobs) if out.logprobs is not None
-                                      else None)],
+            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                      logprobs=CompletionLogprobs.of(c.logprobs) if c.logprobs is not None else None)
+                     for c in out.choices or [out]],
             usage=Usage.of(out),
         )
 
@@ -199,16 +201,22 @@ class OpenAIIngress:
                      log: request_log.RequestLogEntry) -> AsyncIterator[str]:
         """Chunks -> SSE text. A client disconnect cancels this generator, which cancels `gen`
         (the replica then aborts the request and frees its KV blocks)."""
-        finished, output, last = False, list(first.token_ids), first
+        finished, output, last, generated = False, [], first, {}
+
+        def sse(chunk: GenerateChunk) -> str:
+            nonlocal last
+            if chunk.index == 0:  # the router learns one answer: choice 0's
+                output.extend(chunk.token_ids)
+            last, generated[chunk.index] = chunk, chunk.completion_tokens
+            return events(chunk)
+
         try:
-            yield events(first, True)
+            yield sse(first)
             async for chunk in gen:
-                output += chunk.token_ids
-                last = chunk
-                yield events(chunk, False)
+                yield sse(chunk)
             finished = True
             feedback.record_answer(self.llm, request.request_id, request.prompt_token_ids, output)
-            log.write(200, last)
+            log.write(200, last.model_copy(update={"completion_tokens": sum(generated.values())}))
             yield "data: [DONE]\n\n"
         except Exception as e:  # mid-stream failure: the status is already sent; report in-band
             err = self._api_error(e)
@@ -221,33 +229,39 @@ class OpenAIIngress:
                 log.write(200, last, finish_reason="abort")  # the client went away
 
     def _chat_events(self, body: ChatCompletionRequest, rid: str, created: int):
-        def events(chunk: GenerateChunk, is_first: bool) -> str:
+        usage, started = StreamUsage(body.n), set()
+
+        def events(chunk: GenerateChunk) -> str:
             def make(choices, usage=None):
                 return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices,
                                            usage=usage)
-            out = _sse(make([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])) if is_first else ""
+            out = ""
+            if chunk.index not in started:  # each choice opens with the role, as OpenAI's do
+                started.add(chunk.index)
+                out += _sse(make([ChatChunkChoice(index=chunk.index, delta=ChatDelta(role="assistant", content=""))]))
             if chunk.text or chunk.finish_reason or chunk.token_ids:
                 lps = ChatLogprobs.of(chunk.logprobs) if chunk.logprobs else None
-                out += _sse(make([ChatChunkChoice(delta=ChatDelta(content=chunk.text), logprobs=lps,
+                out += _sse(make([ChatChunkChoice(index=chunk.index, delta=ChatDelta(content=chunk.text), logprobs=lps,
                                                   finish_reason=chunk.finish_reason)]))
-            if chunk.finish_reason and body.include_usage:
-                out += _sse(make([], Usage.of(chunk)))
+            total = usage.add(chunk)
+            if total is not None and body.include_usage:
+                out += _sse(make([], total))
             return out
         return events
 
     def _completion_events(self, body: CompletionRequest, rid: str, created: int):
-        offset = 0
+        usage, offsets = StreamUsage(body.n), {}
 
-        def events(chunk: GenerateChunk, is_first: bool) -> str:
-            nonlocal offset
+        def events(chunk: GenerateChunk) -> str:
+            offset = offsets.get(chunk.index, 0)
             lps = CompletionLogprobs.of(chunk.logprobs, offset) if chunk.logprobs else None
-            offset += len(chunk.text)
+            offsets[chunk.index] = offset + len(chunk.text)
             out = _sse(TextCompletion(id=rid, created=created, model=self.model_name,
-                                  choices=[CompletionChoice(text=chunk.text, logprobs=lps,
-                                                            finish_reason=chunk.finish_reason)]))
-            if chunk.finish_reason and body.include_usage:
-                out += _sse(TextCompletion(id=rid, created=created, model=self.model_name, choices=[],
-                                       usage=Usage.of(chunk)))
+                                      choices=[CompletionChoice(index=chunk.index, text=chunk.text, logprobs=lps,
+                                                                finish_reason=chunk.finish_reason)]))
+            total = usage.add(chunk)
+            if total is not None and body.include_usage:
+                out += _sse(TextCompletion(id=rid, created=created, model=self.model_name, choices=[], usage=total))
             return out
         return events
 

@@ -69,6 +69,8 @@ class RequestLimits:
         if len(request.logit_bias) > c.max_logit_bias:
             raise limit_error("logit_bias", f"{len(request.logit_bias)} token ids", "max_logit_bias", c.max_logit_bias)
         self._check_ids("logit_bias", request.logit_bias)
+        if request.n > c.max_n:
+            raise limit_error("n", f"{request.n} choices", "max_n", c.max_n)
         if request.logprobs is not None and request.logprobs > c.max_top_logprobs:
             raise limit_error("logprobs", f"{request.logprobs} top logprobs", "max_top_logprobs", c.max_top_logprobs)
         for name in ("temperature", "top_p"):  # the models' ranges refuse NaN too; say it plainly

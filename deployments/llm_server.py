@@ -6,7 +6,6 @@ fails its health check when the engine loop is dead or stuck, so Serve replaces 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
@@ -14,12 +13,14 @@ from typing import AsyncIterator, Dict, List, Optional
 
 from ray import serve
 
-from batcher.outputs import completion_from_deltas, merge_deltas
+from batcher.outputs import Completion, completions_by_choice, merge_by_choice
 from deployments import metrics
 from deployments.coalesce import coalesce
 from deployments.config import StreamConfig
 from deployments.errors import APIError, engine_error
-from deployments.protocol import GenerateChunk, GenerateResponse, ModelInfo, OutputLogprob, PreparedRequest, TopLogprob
+from deployments.protocol import (GenerateChunk, GeneratedChoice, GenerateResponse, ModelInfo, OutputLogprob,
+                                  PreparedRequest, TopLogprob)
+from router.cost_model import StepMeter
 
 # Fault injection (stall_engine_for_tests, fail_engine_steps_for_tests) works only in replicas
 # started with this set to "1".
@@ -48,6 +49,7 @@ class LLMServer:
         self.max_request_tokens = self.engine.max_request_tokens
         self._token_text: Dict[int, str] = {}
         self.metrics = metrics.ReplicaMetrics(metrics.replica_tags())
+        self.step_meter = StepMeter()  # its measured step times, reported to request routers
         # Serve builds the replica inside its event loop: the refresh runs there until the replica stops.
         self._metrics_task = asyncio.get_running_loop().create_task(self.metrics.refresh_forever(self.engine.stats))
 
@@ -55,24 +57,32 @@ class LLMServer:
 
     async def stream(self, request: PreparedRequest) -> AsyncIterator[GenerateChunk]:
         """Use with `handle.options(stream=True).stream.remote(request)`. Errors come before the
-        first chunk; cancelling the call aborts the request and frees its KV blocks."""
+        first chunk; cancelling the call aborts the request and frees its KV blocks. With n > 1 the
+        choices' chunks interleave (GenerateChunk.index); the stream ends after each has finished."""
         _check_prepared(request)
-        timer, reason, generated = metrics.RequestTimer(), "abort", 0  # "abort": the caller went away
+        timer, reason, generated = metrics.RequestTimer(), "abort", {}  # "abort": the caller went away
         deltas = self.engine.stream(request.prompt_token_ids, request.params, request.request_id, request.cache_salt)
+        open_choices = set(range(request.params.n))
+
+        def is_last(d) -> bool:  # called once per delta, in order
+            if d.finish_reason is not None:
+                open_choices.discard(d.index)
+            return not open_choices
+
         self.open_streams += 1
         try:
-            async for batch in coalesce(deltas, self._chunk_interval, is_last=lambda d: d.finish_reason is not None):
-                chunk = self._chunk(batch)
-                timer.saw(len(chunk.token_ids))
-                reason, generated = chunk.finish_reason or reason, chunk.completion_tokens
-                yield chunk
+            async for batch in coalesce(deltas, self._chunk_interval, is_last=is_last):
+                for chunk in self._chunks(batch):
+                    timer.saw(len(chunk.token_ids))
+                    reason, generated[chunk.index] = chunk.finish_reason or reason, chunk.completion_tokens
+                    yield chunk
         except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
             reason = None  # an error, counted where it is answered (the ingress)
             raise engine_error(e, request.prompt_param) from None
         finally:
             self.open_streams -= 1
             if reason is not None:
-                self.metrics.finish(timer, reason, generated)
+                self.metrics.finish(timer, reason, sum(generated.values()))
 
     async def generate(self, request: PreparedRequest) -> GenerateResponse:
         """The whole answer at once. Cancelling the call aborts the request."""
@@ -88,13 +98,14 @@ class LLMServer:
         except asyncio.CancelledError:  # the caller went away: the engine request is aborted
             self.metrics.finish(timer, "abort", sum(len(d.token_ids) for d in deltas))
             raise
-        out = completion_from_deltas(request.prompt_token_ids, deltas)
-        self.metrics.finish(timer, out.finish_reason, len(out.token_ids))
+        outs = completions_by_choice(request.prompt_token_ids, deltas)
+        choices = [self._generated_choice(o) for o in outs]
+        total = sum(c.completion_tokens for c in choices)  # usage: every choice's tokens, the prompt once
+        self.metrics.finish(timer, outs[0].finish_reason, total)
         return GenerateResponse(
-            request_id=out.request_id, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-            logprobs=self._logprobs(out.logprobs) if out.logprobs is not None else None,
-            prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-            cached_tokens=out.num_cached_tokens, replica_id=self.replica_id,
+            **{**dict(choices[0]), "completion_tokens": total}, request_id=outs[0].request_id,
+            prompt_tokens=len(request.prompt_token_ids), cached_tokens=outs[0].num_cached_tokens,
+            replica_id=self.replica_id, choices=choices if len(choices) > 1 else [],
         )
 
     def model_info(self) -> ModelInfo:
@@ -122,13 +133,16 @@ class LLMServer:
     def record_routing_stats(self) -> dict:
         """Polled by the controller; request routers read it as RunningReplica.routing_stats.
         `time_s` stamps it, so a router can tell a stale report from an idle replica; `request_ids`
-        lets it tell which of its requests the report counts (router.scoring.counted_in)."""
+        lets it tell which of its requests the report counts (router.scoring.counted_in); `step_fit`
+        is what this replica measured of its steps since the last minute or two (router.cost_model)."""
         snap = self.engine.snapshot()  # published by the engine thread: safe to read from this loop
         s, held = snap.stats, list(snap.held_request_ids)
+        self.step_meter.observe(s)
         return {"time_s": time.time(), "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
                 "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
                 "queued_prefill_tokens": s.queued_prefill_tokens, "context_tokens": s.context_tokens,
-                "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "request_ids": held}
+                "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "request_ids": held,
+                "step_fit": self.step_meter.fit()}
 
     def record_autoscaling_stats(self) -> Dict[str, float]:
         """Custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id] in a policy)."""
@@ -155,14 +169,20 @@ class LLMServer:
             return self.interval_s
         return max(self.interval_s, self.open_streams / self.chunk_budget)
 
-    def _chunk(self, deltas: list) -> GenerateChunk:
-        d = functools.reduce(merge_deltas, deltas)
-        return GenerateChunk(
-            request_id=d.request_id, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
+    def _chunks(self, deltas: list) -> List[GenerateChunk]:
+        """One chunk per choice the deltas carry."""
+        return [GenerateChunk(
+            request_id=d.request_id, index=d.index, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
             logprobs=self._logprobs(d.logprobs) if d.logprobs else None,
             prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated_tokens,
             cached_tokens=d.num_cached_tokens, replica_id=self.replica_id,
-        )
+        ) for d in merge_by_choice(deltas)]
+
+    def _generated_choice(self, out: Completion) -> GeneratedChoice:
+        return GeneratedChoice(
+            index=out.index, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+            logprobs=self._logprobs(out.logprobs) if out.logprobs is not None else None,
+            completion_tokens=len(out.token_ids))
 
     def _text_of(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

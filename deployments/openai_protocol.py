@@ -34,7 +34,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # extension
-    n: int = 1
+    n: int = 1  # choices; 1..ingress.limits.max_n (deployments/limits.py)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[Dict[str, float]] = None  # token id (a string, as JSON keys are) -> bias
@@ -43,14 +43,8 @@ class _Request(BaseModel):
     user: Optional[str] = None
     cache_salt: Optional[str] = Field(None, min_length=1)  # extension (vLLM's): see GenerateRequest
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
-        return self
-
     def _generate_fields(self) -> dict:
-        names = ("temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "presence_penalty",
+        names = ("n", "temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "presence_penalty",
                  "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens")
         fields = {k: getattr(self, k) for k in names}
         return {k: v for k, v in fields.items() if v is not None} | {"ignore_eos": self.ignore_eos}
@@ -126,6 +120,24 @@ class Usage(BaseModel):
         return cls(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                    total_tokens=out.prompt_tokens + out.completion_tokens,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens))
+
+
+class StreamUsage:
+    """A stream's usage, known once all n choices have finished: the prompt once, every choice's
+    completion tokens (OpenAI's; sent in one chunk before [DONE] when include_usage)."""
+
+    def __init__(self, n: int):
+        self.open, self.tokens = set(range(n)), {}
+
+    def add(self, chunk) -> Optional[Usage]:
+        """Counts a GenerateChunk; the usage when it was the last choice's last chunk, else None."""
+        self.tokens[chunk.index] = chunk.completion_tokens
+        if chunk.finish_reason is None:
+            return None
+        self.open.discard(chunk.index)
+        if self.open:
+            return None
+        return Usage.of(chunk.model_copy(update={"completion_tokens": sum(self.tokens.values())}))
 
 
 class ChatTopLogprob(BaseModel):

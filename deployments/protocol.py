@@ -97,24 +97,35 @@ class OutputLogprob(BaseModel):
     top_logprobs: List[TopLogprob] = Field(default_factory=list)
 
 
-class _GenerateOutput(BaseModel):
-    request_id: str
+class GeneratedChoice(BaseModel):
+    """One of a request's n outputs (SamplingParams.n)."""
+
+    index: int = 0
     text: str
     token_ids: List[int]
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
     logprobs: Optional[List[OutputLogprob]] = None
-    prompt_tokens: int = 0
     completion_tokens: int = 0
+
+
+class _GenerateOutput(GeneratedChoice):
+    request_id: str
+    prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the replica's prefix cache supplied
     replica_id: Optional[str] = None  # the LLM replica that served it (HTTP: header X-Iterserve-Replica)
 
 
 class GenerateChunk(_GenerateOutput):
-    """New tokens since the previous chunk; finish_reason is set on the last chunk."""
+    """New tokens of choice `index` since its previous chunk; finish_reason is set on its last chunk
+    (with n > 1 the choices' chunks interleave, and the stream ends after every choice's last)."""
 
 
 class GenerateResponse(_GenerateOutput):
-    """A whole, non-streamed answer."""
+    """A whole, non-streamed answer. Its own text, token_ids, finish_reason and logprobs are choice
+    0's; with n > 1, `choices` holds all n, by index. completion_tokens counts every choice's tokens
+    and prompt_tokens the prompt once (OpenAI's usage)."""
+
+    choices: List[GeneratedChoice] = Field(default_factory=list)  # n > 1 only
 
 
 class ModelInfo(BaseModel):

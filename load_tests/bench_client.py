@@ -239,7 +239,9 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], arrivals: O
         conns = max_concurrency or len(requests)
         client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0),
                                    limits=httpx.Limits(max_connections=conns + 8, max_keepalive_connections=conns + 8))
-    bar = _progress(sum(r.num_turns for r in requests), progress)
+    # A lazy sequence (a trace's requests) tells its count: summing would build every prompt first.
+    turns = getattr(requests, "total_turns", None)
+    bar = _progress(turns if turns is not None else sum(r.num_turns for r in requests), progress)
     try:
         model = await resolve_model(client, target)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None

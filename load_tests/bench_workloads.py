@@ -8,15 +8,19 @@
 - chats:    shared-prefix multi-turn chats: sessions over a few long system prompts, each turn sent
             after the previous answer, with it in the history;
 - jsonl:    one request per line: {"prompt": ...} or {"messages": [...]}, optional "max_tokens" and
-            "followups" (later user turns).
+            "followups" (later user turns);
+- trace:    a request trace's requests (cluster.request_traces), sent at the trace's times by the caller:
+            token-id prompts (completions) that share exactly the prefixes the trace's block ids share.
 """
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from cluster.request_traces import RequestTrace, prompt_token_ids
 from load_tests.bench_client import BenchRequest
 from load_tests.workload import capped_lengths, exponential_draws, random_prompts
 
@@ -99,3 +103,32 @@ def jsonl_requests(path: str, api: str = "chat", max_tokens: int = 128, num: Opt
         if num is not None and len(out) >= num:
             break
     return out
+
+
+class TraceRequests(Sequence):
+    """A trace's requests as BenchRequests, each built when asked for (a long trace's prompts do not
+    fit in memory together): token-id prompts from prompt_token_ids (completions API), max_tokens =
+    the trace's output tokens (at least 1, at most `output_cap`), EOS ignored unless told otherwise."""
+
+    def __init__(self, trace: RequestTrace, token_range: Tuple[int, int], token_scale: float = 1.0,
+                 output_cap: Optional[int] = None, ignore_eos: bool = True, seed: int = 0):
+        self.trace, self.token_range, self.token_scale = trace, token_range, token_scale
+        self.output_cap, self.ignore_eos, self.seed = output_cap, ignore_eos, seed
+
+    def __len__(self) -> int:
+        return len(self.trace)
+
+    @property
+    def total_turns(self) -> int:
+        """One turn each (run_load reads this rather than build every prompt to count them)."""
+        return len(self.trace)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        n_out = max(1, int(self.trace.output_tokens[i]))
+        return BenchRequest(prompt=prompt_token_ids(self.trace, i, self.token_range, self.token_scale, self.seed),
+                            max_tokens=min(n_out, self.output_cap or n_out), ignore_eos=self.ignore_eos)

@@ -47,7 +47,7 @@ def bad_requests(model: str) -> List[dict]:
         {"path": "chat/completions", "json": {"model": model, "messages": []}},
         {"path": "chat/completions", "json": {**chat, "no_such_field": 1}},
         {"path": "chat/completions", "json": {**chat, "model": "no-such-model"}},
-        {"path": "chat/completions", "json": {**chat, "n": 3}},
+        {"path": "chat/completions", "json": {**chat, "n": 9}},
         {"path": "completions", "raw": b'{"prompt": "unterminated'},
     ]
 

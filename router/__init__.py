@@ -2,7 +2,8 @@
 
 - `router:LLMRouter` (llm_router.py): the Ray Serve RequestRouter; select it with
   `router.request_router_class: router:LLMRouter` in serve_config.yaml.
-- scoring.py: the score (expected seconds) from plain data; index.py: the per-replica prefix index;
+- scoring.py: the score (expected seconds) from plain data; cost_model.py: step times learned from
+  what the replicas measure (a preset as the prior); index.py: the per-replica prefix index;
   ledger.py: what the router knows of each request, from decision to answer; feedback.py: answers
   reported back by the caller, through its handle; config.py: LLMRouterConfig (its kwargs).
 """

@@ -12,8 +12,12 @@ class LLMRouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     cost_model: Optional[str] = Field(
-        None, description="Step-time preset (batcher.simulated.PRESETS) that turns tokens into seconds; "
-        "default: the simulated replica's own preset, else cpu-smollm2 on CPU and h100-llama3-8b on GPU.")
+        None, description="Step-time preset (batcher.simulated.PRESETS) that turns tokens into seconds until "
+        "the replicas have measured their own (the prior of router.cost_model); default: the simulated "
+        "replica's own preset, else cpu-smollm2 on CPU and h100-llama3-8b on GPU.")
+    learn_step_times: bool = Field(
+        True, description="Use the step times each replica measures (its reports' `step_fit`), shrunk toward "
+        "`cost_model`; off: the preset alone.")
     max_blocks_per_replica: int = Field(
         200_000, ge=1, description="Bound of the prefix index per replica (also capped at the replica's KV blocks).")
     max_stats_age_s: float = Field(

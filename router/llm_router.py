@@ -4,7 +4,8 @@ It runs inside every caller of the LLM deployment (the ingress, so HTTP traffic 
 callers alike). Per request it hashes the prompt's blocks exactly as the engine does (the ingress
 has applied the chat template and tokenized: `PreparedRequest.prompt_token_ids`), looks up how much
 of it each replica caches (router.index), estimates each replica's load from its last report
-corrected by what this router sent and saw complete since (router.scoring), and ranks replicas by
+corrected by what this router sent and saw complete since (router.scoring), turns tokens into
+seconds with the step times each replica measured (router.cost_model), and ranks replicas by
 expected seconds. No remote call is made per request: reports arrive through Serve's routing stats,
 everything else is local. What it knows of each request lives in one RequestLedger (router.ledger);
 this class is the decision and Serve's hooks feeding the ledger.
@@ -26,28 +27,29 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from batcher.block_hash import cacheable_block_hashes, root_hash
 from batcher.simulated import PRESETS
 from router.config import LLMRouterConfig
+from router.cost_model import FleetStepTimes, coefficients, learned_step
 from router.index import PrefixIndex
 from router.ledger import HashedRequest, RequestLedger
 from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, RoutingRequest, fleet_loads, own_load,
-                            prefill_rate, replica_load, score_replicas)
+                            prefill_rate, replica_load, score_replicas, stale_rows)
 
 _TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
-_NO_REPORT = (-math.inf, 0.0, 0.0, 0.0, math.nan)  # a load row that is never fresh
+_NO_LOAD = (-math.inf, 0.0, 0.0, 0.0, math.nan)  # a load row that is never fresh
 
 
 class LLMRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         cfg = LLMRouterConfig.model_validate(kwargs)
         self.config = cfg
-        self.step_model = PRESETS[cfg.cost_model or "cpu-smollm2"].step
+        self.step_model = PRESETS[cfg.cost_model or "cpu-smollm2"].step  # the prior of the learned ones
+        self._prior = coefficients(self.step_model)
         self.shape = EngineShape(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.prefill_tokens_per_s = prefill_rate(self.step_model, self.shape)
         self.index = PrefixIndex(cfg.max_blocks_per_replica)
         self.ledger = RequestLedger(self.index, cfg.max_tracked_requests)
         self._root = root_hash(cfg.model)  # requests without a cache salt (most) share it
         self._rng = np.random.default_rng()
         self._reports: Dict[str, tuple] = {}  # replica -> (the stats dict Serve delivered, its Report)
-        self._rows: Dict[str, tuple] = {}  # replica -> (stats dict, ledger version, load row)
+        self._rows: Dict[str, tuple] = {}  # replica -> (stats dict, ledger version, row, step coefficients)
         self._mean_output_tokens: Optional[float] = None
         self._fleet_peaks: Deque[Tuple[float, float]] = deque()  # (time, fleet sequences), decreasing
         # The loop Serve routes on (seen by choose_replicas): answers reported from other threads are
@@ -99,13 +101,21 @@ class LLMRouter(RequestRouter):
         cfg = self.config
         rids = [r.replica_id.unique_id for r in candidates]  # str keys: ReplicaID hashes in Python, 10x slower
         rows = np.array([self._row(rid, r.routing_stats) for rid, r in zip(rids, candidates)], dtype=float)
-        loads = fleet_loads(rows, now, cfg.max_stats_age_s, self.prefill_tokens_per_s,
-                            lambda i: own_load(list(self.ledger.inflight(rids[i])), now, self.prefill_tokens_per_s))
+        load_rows, step_rows, busy = rows[:, :5], rows[:, 5:9], rows[:, 9]
+        # Each replica's step times as it measured them; a stale report's are unknown: the prior.
+        stale = stale_rows(load_rows, now, cfg.max_stats_age_s)
+        step_rows[stale] = self._prior
+        fresh_busy = busy[~stale & ~np.isnan(busy)]
+        steps = FleetStepTimes.of(step_rows)
+        rates = prefill_rate(steps, self.shape)
+        loads = fleet_loads(load_rows, now, cfg.max_stats_age_s, rates,
+                            lambda i: own_load(list(self.ledger.inflight(rids[i])), now, rates[i]))
         matched = self.index.matched_blocks(request.hashes)
         cached = np.fromiter((self._cached_tokens(request, matched.get(rid, 0)) for rid in rids), float, len(rids))
-        return score_replicas(self.step_model, self.shape, rids, loads, cached, request.sizes,
+        return score_replicas(steps, self.shape, rids, loads, cached, request.sizes,
                               cfg.load_bound, cfg.affinity_margin, self._rng,
-                              fleet_sequences=self._recent_peak(now, float(loads.batch.sum())))
+                              fleet_sequences=self._recent_peak(now, float(loads.batch.sum())),
+                              fleet_busy=float(fresh_busy.mean()) if len(fresh_busy) else 0.0)
 
     def _cached_tokens(self, request: HashedRequest, matched_blocks: int) -> int:
         # Never the last token: the engine always computes it.
@@ -127,18 +137,28 @@ class LLMRouter(RequestRouter):
         return replica_load(self._report(rid, stats), self.ledger.inflight(rid), self.ledger.completed(rid),
                             self.shape.block_size)
 
+    def step_times(self, stats: Optional[dict]):
+        """The step-time model a replica's report `stats` implies: its measurements (`step_fit`)
+        shrunk toward the prior (router.cost_model); the prior without them, or if
+        `learn_step_times` is off."""
+        if not self.config.learn_step_times or not stats:
+            return self.step_model
+        return learned_step(self.step_model, stats.get("step_fit"))
+
     def _row(self, rid: str, stats: Optional[dict]) -> tuple:
-        """The load row, rebuilt only when Serve delivers a new report or the ledger's requests on the
-        replica change."""
+        """The load row, the replica's step-time coefficients and its busy share (NaN: unknown),
+        rebuilt only when Serve delivers a new report or the ledger's requests on the replica change."""
         report = self._report(rid, stats)
         cached = self._rows.get(rid)
         version = self.ledger.version(rid)
         if cached is not None and cached[0] is stats and cached[1] == version:
             return cached[2]
         load = self.load(rid, stats) if report is not None else None
-        row = _NO_REPORT if load is None else (
-            load.time_s, load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free)
-        self._rows[rid] = (stats, version, row)
+        steps = cached[3] if cached is not None and cached[0] is stats else (
+            coefficients(self.step_times(stats)) + (((stats or {}).get("step_fit") or {}).get("busy", math.nan),))
+        row = (_NO_LOAD if load is None else (
+            load.time_s, load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free)) + steps
+        self._rows[rid] = (stats, version, row, steps)
         return row
 
     def _report(self, rid: str, stats: Optional[dict]) -> Optional[Report]:

@@ -6,10 +6,15 @@
     at the prefill rate the replica's decode batch leaves (decode-first scheduling)
   + its decode, at the batch and context it joins (the decode load already there)
 
-Step times come from a `StepTimeModel` (batcher.simulated: the same model simulated replicas run
-on), so the three terms are in one unit and comparable. There is no fleet-wide gate between
-"affinity" and "load": a hot prefix stops pinning its holder as soon as the holder's queue costs
-more than recomputing the prefix elsewhere, and the prefix then spreads on its own.
+Step times are each replica's own, learned from what it measures (router.cost_model: its reports,
+shrunk toward a preset), so the three terms are in one unit and comparable, and a cache hit is
+worth what recomputing it costs on that hardware. There is no fleet-wide gate between "affinity"
+and "load": a hot prefix stops pinning its holder as soon as the holder's queue costs more than
+recomputing the prefix elsewhere, and the prefix then spreads on its own. The tail rule: the
+affinity margin never lets a holder win whose expected first token comes later than another
+replica's would, recomputation included (so affinity never queues a request behind more than
+recomputing its prefix elsewhere would cost). In a busy fleet, a recomputation also costs the
+requests queued behind it: the ranking adds that (score_replicas' `fleet_busy`).
 
 Per replica the load is one row (`ReplicaLoad`), rebuilt only when its report or this router's requests
 on it change; a decision scores the whole fleet at once over those rows with numpy.
@@ -19,11 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, FrozenSet, Iterable, List, Optional, Sequence
+from typing import Callable, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from batcher.simulated import StepTimeModel
+from router.cost_model import FleetStepTimes
+
+StepTimes = Union[StepTimeModel, FleetStepTimes]  # one model for every replica, or one each
 
 
 @dataclass(frozen=True)
@@ -117,8 +125,9 @@ def replica_load(report: Optional[Report], inflight: Iterable[Routed], completed
     return ReplicaLoad(queued, max(0, batch), max(0, context), kv_free, report.time_s)
 
 
-def prefill_rate(step: StepTimeModel, shape: EngineShape) -> float:
-    """Prompt tokens per second a replica prefills when its whole step budget goes to prefill."""
+def prefill_rate(step: StepTimes, shape: EngineShape):
+    """Prompt tokens per second a replica prefills when its whole step budget goes to prefill (an
+    array, one per replica, from FleetStepTimes)."""
     return shape.max_num_batched_tokens / step.step_seconds(shape.max_num_batched_tokens, 0, 0)
 
 
@@ -147,14 +156,19 @@ class FleetLoads:
              math.nan if l.kv_blocks_free is None else l.kv_blocks_free) for l in loads])))
 
 
-def fleet_loads(rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_per_s: float,
+def stale_rows(rows: np.ndarray, now: float, max_age_s: float) -> np.ndarray:
+    """Which rows (time_s first) have no report fresher than `max_age_s`: unknown, never idle."""
+    return now - rows[:, 0] > max_age_s
+
+
+def fleet_loads(rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_per_s,
                 own: Callable[[int], ReplicaLoad]) -> FleetLoads:
     """Columns from cached rows (time_s, queued, batch, context, kv_free; time_s = -inf: no report),
     the queued prefill decayed to `now`. A replica without a fresh report is assumed at least as
     loaded as the fleet's average known replica and as what this router sent it (`own(i)`), never idle."""
     t, queued, batch, context, kv_free = rows.T
     queued = np.maximum(0.0, queued - (now - t) * prefill_tokens_per_s)
-    stale = now - t > max_age_s
+    stale = stale_rows(rows, now, max_age_s)
     if stale.any():
         fresh = ~stale
         mean = [c[fresh].mean() if fresh.any() else 0.0 for c in (queued, batch, context)]
@@ -168,9 +182,9 @@ def fleet_loads(rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_p
     return FleetLoads(queued, batch, context, kv_free)
 
 
-def expected_seconds(step: StepTimeModel, shape: EngineShape, loads: FleetLoads, uncached_tokens: np.ndarray,
-                     request: RoutingRequest) -> np.ndarray:
-    """Expected time to the request's last token on each replica."""
+def expected_seconds(step: StepTimes, shape: EngineShape, loads: FleetLoads, uncached_tokens: np.ndarray,
+                     request: RoutingRequest) -> Tuple[np.ndarray, np.ndarray]:
+    """Expected time to the request's first token and to its last, on each replica."""
     mns = shape.max_num_seqs
     in_batch = np.minimum(loads.batch, mns)
     prefill_per_step = np.maximum(1.0, shape.max_num_batched_tokens - in_batch)
@@ -181,7 +195,7 @@ def expected_seconds(step: StepTimeModel, shape: EngineShape, loads: FleetLoads,
     decode = request.output_tokens * step.step_seconds(0, joined, loads.context + request.prompt_tokens)
     # A full batch: wait for that many sequences to finish first.
     first = first + np.where(loads.batch >= mns, (loads.batch + 1 - mns) / mns * decode, 0.0)
-    return first + decode
+    return first, first + decode
 
 
 @dataclass
@@ -215,9 +229,10 @@ class Ranking(Sequence):
                      int(self.cached_tokens[i]))
 
 
-def score_replicas(step: StepTimeModel, shape: EngineShape, replicas: List[str], loads: FleetLoads,
+def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loads: FleetLoads,
                    cached_tokens: np.ndarray, request: RoutingRequest, load_bound: float, affinity_margin: float,
-                   rng: np.random.Generator, fleet_sequences: Optional[float] = None) -> Ranking:
+                   rng: np.random.Generator, fleet_sequences: Optional[float] = None,
+                   fleet_busy: float = 0.0) -> Ranking:
     """Every replica's score, best first: replicas with room in their KV cache first, then those
     within the load bound, then by expected seconds; ties (an idle fleet) broken at random.
 
@@ -232,16 +247,29 @@ def score_replicas(step: StepTimeModel, shape: EngineShape, replicas: List[str],
 
     `affinity_margin` (>= 1): the replicas holding the longest cached prefix rank as if their
     expected seconds were that many times smaller, so a holder wins up to that factor of the best
-    replica's wait (1: the expected seconds alone decide)."""
+    replica's wait (1: the expected seconds alone decide); but only a holder whose first token is
+    expected no later than on any other replica (the tail rule: the margin forgives a slower
+    decode, never a queue longer than recomputing the prefix elsewhere).
+
+    `fleet_busy` (0-1, the share of time the fleet's engines spend stepping, as they measure it):
+    recomputing a prefix is work every later request on that replica waits for, so a busy fleet
+    ranks by the request's own seconds plus its prefill's cost to the others, busy / (1 - busy)
+    times its prefill seconds (a queue's marginal cost, as in M/M/1). Idle, only its own seconds
+    count; saturated, a recomputation costs up to 20 times itself, and sessions stay with their cache
+    unless their holder is far worse off (as everyone gains when less is recomputed)."""
     uncached = request.prompt_tokens - cached_tokens
-    seconds = expected_seconds(step, shape, loads, uncached, request)
+    first, seconds = expected_seconds(step, shape, loads, uncached, request)
     kv_full = loads.kv_free < np.ceil((uncached + 1) / shape.block_size)  # NaN (unknown): never full
     total = loads.batch.sum() if fleet_sequences is None else fleet_sequences
     mean = (total + 1) / max(1, len(replicas))
     capacity = max(math.ceil(load_bound * mean), math.ceil(mean) + 1)
     over_bound = loads.batch + 1 > capacity
-    key = seconds
+    busy = min(max(fleet_busy, 0.0), 20 / 21)
+    key = seconds + busy / (1 - busy) * uncached * step.prefill_token_s
     if affinity_margin != 1.0 and cached_tokens.max(initial=0) > 0:
-        key = np.where(cached_tokens == cached_tokens.max(), seconds / affinity_margin, seconds)
+        holders = cached_tokens == cached_tokens.max()
+        # Against the others that could take it (room in their KV cache, within the bound).
+        others_first = first[~holders & ~kv_full & ~over_bound].min(initial=math.inf)
+        key = np.where(holders & (first <= others_first), key / affinity_margin, key)
     order = np.lexsort((rng.random(len(replicas)), key, over_bound, kv_full))
     return Ranking(replicas, seconds, kv_full, over_bound, cached_tokens, order)

@@ -4,12 +4,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cluster.request_traces import bundled, load_request_trace
 from load_tests import bench
 from load_tests.arrivals import arrival_offsets, gaps
 from load_tests.bench_client import BenchRequest, Target, run_load
@@ -176,3 +178,93 @@ def test_multi_turn_chats_carry_the_answer_into_the_next_turn(tiny_app):
         first, second = by[(i, 0)], by[(i, 1)]
         assert second.start_s >= first.start_s + first.e2e_s  # turn 2 waits for turn 1's answer
         assert second.prompt_tokens > first.prompt_tokens + 5  # ...and holds it and the new user turn
+
+
+# ---- trace replay -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra,message", [
+    (["--api", "chat"], "replays token-id prompts .* through the completions API"),
+    (["--request-rate", "4"], "a trace's own times are the arrivals"),
+])
+def test_trace_replay_refuses_options_that_do_not_apply(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--base-url", "http://127.0.0.1:9", "--workload", "trace", "--trace", "azure_code_2023", *extra])
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_trace_replay_names_the_bundled_traces_for_an_unknown_one():
+    with pytest.raises(SystemExit, match="no bundled trace 'azure'; have azure_code_2023, azure_conv_2023, "
+                                         "mooncake_conversation"):
+        bench.main(["--base-url", "http://127.0.0.1:9", "--workload", "trace", "--trace", "azure"])
+
+
+def test_trace_replay_transforms_in_order_window_speedup_rate_duration_number():
+    args = bench.parse_args(["--base-url", "http://127.0.0.1:9", "--workload", "trace", "--trace", "azure_code_2023",
+                             "--window-s", "600", "1200", "--speedup", "2", "--rate-scale", "1.5",
+                             "--duration-s", "200", "--num-requests", "400"])
+    trace = bench.load_trace(args)
+    assert args.api == "completions"
+    assert trace.notes == ["window 600-1200 s", "time x1/2", "rate x1.5", "window 0-200 s", "first 400 requests"]
+    source = load_request_trace(bundled("azure_code_2023"))
+    in_window = ((source.t_s >= 600) & (source.t_s < 1000)).sum()  # 200 s at speedup 2
+    assert len(trace) == min(400, len(trace)) and trace.t_s[-1] < 200
+    whole = bench.load_trace(bench.parse_args(["--base-url", "x", "--workload", "trace", "--trace", "azure_code_2023",
+                                               "--window-s", "600", "1000"]))
+    assert len(whole) == in_window and whole.notes == ["window 600-1000 s"]  # no bound: all of it
+
+
+def test_trace_replay_reads_a_trace_file_of_your_own(tmp_path):
+    from cluster.request_traces import write_request_trace
+    from cluster.synthetic_traces import sessions
+
+    made = sessions(300, 1.0, seed=5)
+    path = write_request_trace(made, tmp_path / "mine.jsonl.gz")
+    trace = bench.load_trace(bench.parse_args(["--base-url", "x", "--workload", "trace", "--trace", str(path)]))
+    assert trace.name == "mine" and trace.hash_ids == made.hash_ids and np.array_equal(trace.t_s, made.t_s)
+
+
+def test_trace_requests_carry_each_request_lengths_capped():
+    from load_tests.bench_workloads import TraceRequests
+
+    trace = load_request_trace(bundled("mooncake_conversation")).head(50)
+    requests = TraceRequests(trace, (17, 49152), token_scale=0.1, output_cap=64)
+    assert len(requests) == requests.total_turns == 50 and len(requests[10:20]) == 10
+    for i in (0, 4, 49, -1):
+        r = requests[i]
+        assert len(r.prompt) == round(trace.input_tokens[i] * 0.1) and r.ignore_eos
+        assert r.max_tokens == min(64, trace.output_tokens[i]) and r.messages is None
+    assert requests[-1] == requests[49] and min(trace.output_tokens) <= 64 < max(trace.output_tokens)
+    with pytest.raises(IndexError):
+        requests[50]
+
+
+def test_trace_replay_sends_each_request_at_its_time_with_its_lengths(tiny_app, tmp_path):
+    out = tmp_path / "trace.json"
+    result = bench.main(["--base-url", tiny_app, "--workload", "trace", "--trace", "azure_code_2023",
+                         "--window-s", "0", "60", "--num-requests", "6", "--token-scale", "0.01", "--output-cap", "5",
+                         "--json", str(out), "--no-progress"])
+    assert json.loads(out.read_text())["runs"][0]["trace"] == json.loads(json.dumps(result["runs"][0]["trace"]))
+    [run] = result["runs"]
+    trace = load_request_trace(bundled("azure_code_2023")).head(6)
+    assert run["trace"]["requests"] == 6 and run["trace"]["notes"] == ["window 0-60 s", "first 6 requests"]
+    assert result["args"]["api"] == "completions" and run["summary"]["failed"] == 0
+    records = sorted(run["records"], key=lambda r: r["index"])
+    assert [r["index"] for r in records] == list(range(6))
+    for r, t, n_in, n_out in zip(records, trace.t_s, trace.input_tokens, trace.output_tokens):
+        assert r["prompt_tokens"] == max(1, round(n_in * 0.01))  # token-id prompts: exact lengths
+        assert r["output_tokens"] == min(n_out, 5) and r["finish_reason"] == "length"
+        assert r["start_s"] >= t - 0.005  # never early; the trace spreads them over half a second
+    assert records[-1]["start_s"] - records[0]["start_s"] > 0.5 * (trace.t_s[5] - trace.t_s[0])
+
+
+def test_trace_replay_prompts_share_the_prefix_blocks_they_name(tiny_app):
+    # Mooncake's requests all begin with block 0: at token scale 0.05 that is 26 tokens, three of the
+    # tiny app's 8-token KV blocks. Sent one at a time over its two replicas, the third request finds
+    # a replica that has the block cached already, and nothing past it (every later block differs).
+    result = bench.main(["--base-url", tiny_app, "--workload", "trace", "--trace", "mooncake_conversation",
+                         "--num-requests", "4", "--speedup", "1000", "--token-scale", "0.05", "--output-cap", "2",
+                         "--max-concurrency", "1", "--json", "", "--no-progress"])
+    records = sorted(result["runs"][0]["records"], key=lambda r: r["index"])
+    assert all(r["status"] == 200 and r["error"] == "" for r in records) and len(records) == 4
+    assert records[0]["cached_tokens"] == 0 and all(r["cached_tokens"] in (0, 24) for r in records)
+    assert max(r["cached_tokens"] for r in records[2:]) == 24

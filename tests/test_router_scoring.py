@@ -163,6 +163,25 @@ def test_affinity_margin_lets_a_somewhat_busier_holder_keep_the_conversation():
         make_router(affinity_margin=0.5)
 
 
+def test_the_margin_never_queues_a_request_longer_than_recomputing_its_prefix_elsewhere():
+    """The tail rule. The holder of the 400-token system prompt has 1000 prompt tokens queued ahead:
+    with its decode, its total is within the margin of the idle replica's, but its first token comes
+    after the idle replica would have recomputed the whole prompt. The request goes to the idle one.
+    With no queue at the holder, the margin keeps it there as before."""
+    router, now = make_router(load_bound=10), time.time()
+    prompt = router.prepare(request(SYSTEM + list(range(200)), max_tokens=64))
+    router.index.insert("holder", blocks(SYSTEM + [1]))
+    # Reports of this instant (at ~29k prompt tokens/s, a 0.1 s old queue would have drained).
+    queued = [replica("holder", now, age_s=0, waiting=1, queued_prefill_tokens=1000, context_tokens=1000),
+              replica("idle", now, age_s=0)]
+    scores = router.score(queued, prompt, now)
+    by = {s.replica: s for s in scores}
+    assert by["holder"].seconds < router.config.affinity_margin * by["idle"].seconds  # within the margin
+    assert scores[0].replica == "idle"
+    calm = [replica("holder", now, age_s=0, running=2, context_tokens=1200), replica("idle", now, age_s=0)]
+    assert router.score(calm, prompt, now)[0].replica == "holder"
+
+
 def test_at_100_replicas_a_conversation_finds_its_holder_and_serve_gets_every_replica_ranked():
     """At fleet scale (`python -m load_tests.router_micro` times these decisions): 100 equally loaded
     replicas share the system prompt and each holds conversations of its own; one is full. A turn

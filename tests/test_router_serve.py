@@ -149,3 +149,30 @@ def test_answers_reach_the_router_of_the_handle_that_sent_the_request(sim_apps):
     default = serve.get_deployment_handle("LLMServer", "simdefault")  # Serve's own router: nothing to tell
     default.stats.remote().result()
     assert feedback.request_router_of(default) is not None and not feedback.record_answer(default, "x", prompt, [])
+
+
+def test_the_router_learns_the_replicas_step_times_from_their_reports(sim_apps):
+    """The replicas (sim:cpu-smollm2) report what they measured of their steps; from those reports
+    alone, starting from the wrong preset (the H100's, 47x faster prefill), the router's learned
+    model predicts the CPU preset's steps, which the replicas' step times follow."""
+    from ray import serve
+
+    from batcher.simulated import PRESETS
+    from router import feedback
+    from router.cost_model import learned_step
+
+    handle = serve.get_deployment_handle("LLMServer", "simllm")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    calls = [handle.generate.remote(PreparedRequest(f"fit-{i}", [800 + i] * (100 + 150 * i), params)) for i in range(8)]
+    [c.result(timeout_s=120) for c in calls]
+    router = wait_until(lambda: feedback.request_router_of(handle), 60, "the handle's router")
+
+    def fits():
+        reports = on_router_loop(router, lambda: [r.routing_stats for r in router.curr_replicas.values()])
+        return [s["step_fit"] for s in reports if s and s.get("step_fit", {}).get("steps", 0) >= 20] or None
+
+    cpu, h100 = PRESETS["cpu-smollm2"].step, PRESETS["h100-llama3-8b"].step
+    for fit in wait_until(fits, 60, "reports with measured steps"):
+        learned = learned_step(h100, fit, prior_steps=1)
+        for step in ((512, 0, 0), (128, 2, 1000)):
+            assert learned.step_seconds(*step) == pytest.approx(cpu.step_seconds(*step), rel=0.35), (step, fit)

@@ -40,8 +40,8 @@ def test_validation_is_400_naming_the_field(tiny_app, path, body, param):
 
 
 def test_unsupported_option_is_400(tiny_app):
-    r = _post(tiny_app, "completions", {"prompt": "hi", "n": 2})
-    assert r.status_code == 400 and "n=1" in _error(r)["message"]
+    r = _post(tiny_app, "completions", {"prompt": "hi", "best_of": 2})
+    assert r.status_code == 400 and "best_of" in _error(r)["message"]
 
 
 def test_malformed_json_is_400(tiny_app):

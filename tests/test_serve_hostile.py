@@ -111,8 +111,8 @@ TABLE = [
     ("chat-user-too-long", "POST", CHAT, CH(user="u" * 300), {}, 400, "max_user_chars"),
     ("user-int", "POST", COMPLETIONS, C(user=5), {}, 400, "user"),
     # unsupported options, unknown fields, wrong types
-    ("n-two", "POST", COMPLETIONS, C(n=2), {}, 400, "n=1"),
-    ("n-huge", "POST", CHAT, CH(n=10**9), {}, 400, "n=1"),
+    ("n-over-limit", "POST", COMPLETIONS, C(n=9), {}, 400, "ingress.limits.max_n = 8"),
+    ("n-huge", "POST", CHAT, CH(n=10**9), {}, 400, "n: Input should be less than or equal to 128"),
     ("echo", "POST", COMPLETIONS, C(echo=True), {}, 400, "echo"),
     ("best-of", "POST", COMPLETIONS, C(best_of=3), {}, 400, "best_of"),
     ("unknown-field", "POST", COMPLETIONS, C(foo=1), {}, 400, "foo"),

@@ -70,7 +70,7 @@ def _run_workload(client) -> dict:
         for headers, events in pool.map(lambda _: _stream(client, 60), range(6)):
             text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
             seen["ok"].append((events[0]["id"], True, events[-1]["usage"], headers["X-Iterserve-Replica"], text))
-    for bad in ({"model": "no-such-model"}, {"n": 2}, {"max_tokens": 5000}):
+    for bad in ({"model": "no-such-model"}, {"n": 0}, {"max_tokens": 5000}):
         r = _chat(client, **bad)
         seen["errors"].append((r.status_code, r.json()["error"]["type"]))
     r = client.post("/v1/completions", json={"prompt": "x" * 80_000})  # over the body limit: 413 before parsing
@@ -158,10 +158,10 @@ def _request_lines(app: str) -> list:
 def test_one_log_line_per_request_without_text(obs):
     ok = obs["ok"]
     deadline = time.monotonic() + 60  # against a hang only: the lines come as soon as Serve's log flushes
-    while len(lines := _request_lines(APP)) < len(ok) + 2 and time.monotonic() < deadline:
-        time.sleep(0.5)  # n=2 and the 413 are refused before a request id exists: no line for them
+    while len(lines := _request_lines(APP)) < len(ok) + 3 and time.monotonic() < deadline:
+        time.sleep(0.5)  # the 413 is refused before a request id exists: no line for it
     by_id = {line["request_id"]: line for line in lines}
-    assert len(by_id) == len(lines) == len(ok) + 2  # one line per request, errors with an id included
+    assert len(by_id) == len(lines) == len(ok) + 3  # one line per request, the 404 and both 400s included
     for rid, stream, usage, replica, _ in ok:
         line = by_id[rid]
         assert line["status_code"] == 200 and line["error_type"] is None and line["finish_reason"] == "length"
@@ -172,7 +172,8 @@ def test_one_log_line_per_request_without_text(obs):
         assert (line["ttft_s"] is not None) is stream and (not stream or 0 < line["ttft_s"] <= line["e2e_s"])
     failed = sorted((line["status_code"], line["error_type"]) for line in lines if line["request_id"] not in
                     {o[0] for o in ok})
-    assert failed == [(400, "invalid_request_error"), (404, "invalid_request_error")]  # unknown model, too long
+    # unknown model, n=0, too long
+    assert failed == [(400, "invalid_request_error"), (400, "invalid_request_error"), (404, "invalid_request_error")]
     assert any(line["cached_tokens"] > 0 for line in lines)  # the repeated chat hit the prefix cache
     # No prompt or output text and no API key in any of the app's replica logs.
     import ray

@@ -116,7 +116,7 @@ def test_min_tokens_delays_eos(tiny, offline):
     (False, {}, {"min_tokens": 9}, "min_tokens: 9 is more than max_tokens 8"),
     (True, {"max_tokens": None, "max_completion_tokens": 4}, {"min_tokens": 5}, "min_tokens"),
     (True, {"max_tokens": None}, {"min_tokens": 5000}, "min_tokens: 5000 is more than max_tokens"),
-    (False, {"n": 2}, {}, "n=1"),
+    (False, {"n": 9}, {}, "n: 9 choices, more than the limit ingress.limits.max_n = 8"),
 ])
 def test_out_of_range_values_are_400s_naming_the_field(tiny, chat, fields, extensions, needle):
     body = {"model": TINY, "max_tokens": 8, **fields, "extra_body": extensions or None}

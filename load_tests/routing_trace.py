@@ -1,0 +1,61 @@
+"""The routing benchmark's trace workload: a public production trace with prefix block ids (Mooncake's
+conversation trace by default), replayed at its own arrival times over the completions API, with
+prompts built in the engine's tokens so requests sharing block ids share those prefixes exactly.
+
+Also the share of prompt tokens an infinite prefix cache would serve on the same requests, in the
+same order (each request's longest prefix, in the engine's blocks, that any earlier request
+had): what no router can beat, the yardstick of the cached share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+from batcher.block_hash import cacheable_block_hashes, root_hash
+from cluster.request_traces import bundled, load_request_trace, prompt_token_ids
+from load_tests.bench_client import BenchRequest
+
+TOKEN_RANGE = (17, 49152)  # ordinary token ids of the embedded tokenizer (SmolLM2's), no specials
+
+
+@dataclass
+class TraceWorkload:
+    requests: List[BenchRequest]
+    arrivals: List[float]  # seconds from the start, one per request
+    infinite_cache_share: float
+    description: dict
+
+
+def infinite_cache_share(prompts: Sequence[Sequence[int]], block_size: int) -> float:
+    """Prompt tokens an unbounded prefix cache shared by every replica would serve, over all prompt
+    tokens: per request, its longest prefix of full blocks any earlier prompt had (never its last
+    token: the engine always computes that one)."""
+    root, seen, cached, total = root_hash("bound"), set(), 0, 0
+    for ids in prompts:
+        hashes = cacheable_block_hashes(ids, block_size, root)
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in seen:
+            hit += 1
+        cached += min(hit * block_size, len(ids) - 1)
+        total += len(ids)
+        seen.update(hashes)
+    return cached / total if total else 0.0
+
+
+def trace_workload(name: str, start_s: float, window_s: float, speedup: float, rate: float,
+                   token_scale: float, output_scale: float, max_output: int, max_prompt: int,
+                   block_size: int, seed: int = 0) -> TraceWorkload:
+    """The trace's window [start_s, start_s + window_s), `speedup` times faster, `rate` times the
+    users (rate_scaled: copies share nothing with the originals), prompts and prefix blocks
+    `token_scale` times as long (cut at `max_prompt` tokens: a cut keeps the prefix), answers
+    `output_scale` times as long (1 to `max_output` tokens, EOS ignored)."""
+    trace = load_request_trace(bundled(name)).window(start_s, start_s + window_s).time_scaled(speedup)
+    if rate != 1.0:
+        trace = trace.rate_scaled(rate, seed)
+    prompts = [prompt_token_ids(trace, i, TOKEN_RANGE, token_scale, seed)[:max_prompt] for i in range(len(trace))]
+    outputs = [max(1, min(max_output, round(int(n) * output_scale))) for n in trace.output_tokens]
+    requests = [BenchRequest(prompt=p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, outputs)]
+    description = {**trace.describe(), "prompt_tokens_mean": sum(map(len, prompts)) / max(1, len(prompts)),
+                   "output_tokens_mean": sum(outputs) / max(1, len(outputs)), "token_scale": token_scale}
+    return TraceWorkload(requests, [float(t) for t in trace.t_s], infinite_cache_share(prompts, block_size),
+                         description)
