@@ -146,7 +146,17 @@ class QueueDepthPolicy:
                 if waiting.get(r, 0.0) > 0 or kv.get(r, 0.0) >= KV_FULL
                 or (_rate(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0
                 or (handle_queued > 0 and running.get(r, 0.0) >= FULL_SHARE * (slots or 0.0))]
-        self._measure(s, now, startup, [rates[r] for r in full if r in rates],
+        # A replica's completions lag its admissions by a request's latency (Little: running / rate):
+        # until it has run that long plus a look-back, its rate is a ramp, not a full replica's.
+        first = "seen" not in s  # the fleet found at the first call counts as settled
+        seen = {r: t for r, t in (s.get("seen") or {}).items() if r in ctx.running_replicas}
+        for r in ctx.running_replicas:
+            seen.setdefault(r, now - 1e9 if first else now)
+        s["seen"] = seen
+        look_back = ctx.config.look_back_period_s if ctx.config else 30.0
+        settled = {r for r, x in rates.items()
+                   if x > 0 and now - seen[r] >= look_back + running.get(r, 0.0) / x}
+        self._measure(s, now, startup, [rates[r] for r in full if r in settled],
                       [running.get(r, 0.0) for r in full] if handle_queued > 0 else [])
         if rates and completions > 0:  # a replica does at least what replicas do now: mu's floor
             s["mu_floor"] = max(s.get("mu_floor") or 0.0, median(rates.values()))
