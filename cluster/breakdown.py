@@ -28,7 +28,8 @@ from typing import Dict
 
 import numpy as np
 
-from cluster.fleet_sim import FleetSim, Result, SimWorkload
+from cluster.fleet_sim import FleetSim
+from cluster.fleet_sim_parts import Result, SimWorkload
 from cluster.simulate import load_trace, replica_rps, run_all
 from cluster.traces import Trace
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.fleet_sim import Result
+from cluster.fleet_sim_parts import Result
 from cluster.traces import Trace
 
 

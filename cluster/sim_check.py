@@ -32,7 +32,8 @@ from typing import List, Optional
 import numpy as np
 
 from cluster.burst import app_config, full_step_s, serve_replay, startup_from
-from cluster.fleet_sim import FleetSim, Policy, SimWorkload
+from cluster.fleet_sim import FleetSim
+from cluster.fleet_sim_parts import Policy, SimWorkload
 from cluster.request_traces import RequestTrace, bundled, load_request_trace
 from cluster.traces import Trace
 

@@ -33,7 +33,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 from ray.serve.config import AutoscalingConfig
 
-from cluster.fleet_sim import FleetSim, Policy, Result, SimWorkload
+from cluster.fleet_sim import FleetSim
+from cluster.fleet_sim_parts import Policy, Result, SimWorkload
 from cluster.traces import Trace, day_trace, load_csv, steady_spans
 from deployments.autoscaling import SERVE_POLICY_PATH, QueueDepthPolicy
 from deployments.config import AutoscalingConfig as AppAutoscaling

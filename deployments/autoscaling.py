@@ -48,6 +48,7 @@ RECUR_GAPS = 3.0  # a recurring level is released after a silence of this many m
 GROWTH_SPAN_S = 5.0  # arrivals are completions + growth over this span (Serve's look-back for this policy)
 MISS = 0.01  # the share of requests the sizing lets wait past the SLO (M/M/c, Poisson arrivals)
 ERLANG_SERVERS = 512  # slots up to which P(wait) is computed (Erlang C); beyond, bounded by 1
+KEEP_TOLERANCE = 0.1  # demand within 10% of a level does not keep it (Knative's and AIBrix's band)
 FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
 
 # Knob names of the 13-knob version: named in the error so a stale config says what replaced it.
@@ -249,7 +250,10 @@ class QueueDepthPolicy:
             if now - t <= startup:
                 floor = max(floor, min(below, n))
         mem = s.get("memory", [])
-        needs = [(t, self._need(a, d, mu, slots)) for t, a, d, _ in mem]
+        # A level is kept only where demand needed it by more than KEEP_TOLERANCE: load that flickers
+        # at a threshold (one replica or two at the same arrival rate) never holds a replica.
+        keep = 1.0 - KEEP_TOLERANCE
+        needs = [(t, self._need(a * keep, d * keep, mu, slots)) for t, a, d, _ in mem]
         width = startup / BUCKETS_PER_STARTUP
         for level in range(min(below, max((n for _, n in needs), default=0)), floor, -1):
             # Visits of the level, and the gaps between them in which demand fell to under half of it

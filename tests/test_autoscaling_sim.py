@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cluster import simulate
-from cluster.fleet_sim import SimWorkload
+from cluster.fleet_sim_parts import SimWorkload
 from cluster.traces import Trace, day_trace, load_csv, write_csv
 
 STARTUP_S = 60.0

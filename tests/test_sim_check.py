@@ -10,7 +10,8 @@ import pytest
 from batcher.simulated import PRESETS
 from cluster import burst, sim_check
 from cluster.burst import app_config
-from cluster.fleet_sim import FleetSim, Policy, SimWorkload
+from cluster.fleet_sim import FleetSim
+from cluster.fleet_sim_parts import Policy, SimWorkload
 from cluster.traces import Trace
 from deployments.config import AppConfig
 
