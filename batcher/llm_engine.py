@@ -179,8 +179,9 @@ class LLMEngine:
         try:
             logits = self.runner.execute(out.scheduled)
             t2 = time.perf_counter()
+            # n = 1 (nearly every row) is decided without a lookup: the step loop is hot.
             forks = {seq: [seq.fork(i) for i in range(1, seq.params.n)] for seq in sampling
-                     if len(self.requests[seq.request_id].choices) < seq.params.n}
+                     if seq.params.n > 1 and len(self.requests[seq.request_id].choices) < seq.params.n}
             if forks:  # each new choice samples its first token from its parent's logits
                 rows = [i for i, seq in enumerate(sampling) for _ in range(1 + len(forks.get(seq, ())))]
                 sampling = [c for seq in sampling for c in (seq, *forks.get(seq, ()))]
