@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing bench-forward soak clean
+.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing bench-forward bench-structured soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ bench-offline: model
 bench-serving: model
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m load_tests.serving
+
+# What structured outputs cost a batch: 0%, 20%, 100% of requests constrained (docs/structured_outputs.md).
+bench-structured: model
+	$(BIN)/python -m load_tests.structured_bench
 
 bench-routing: model
 	$(BIN)/pip install -q -e '.[bench]'

@@ -147,7 +147,7 @@ class AsyncLLMEngine:
         that piled up while the caller was busy come as one per choice. Leaving the loop early (or
         being cancelled) aborts the request and frees its KV blocks."""
         self.check_health()
-        async for delta in self._run_request(self.engine.make_request(prompt, params, request_id, cache_salt)):
+        async for delta in self._run_request(await self._make_request(prompt, params, request_id, cache_salt)):
             yield delta
 
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -161,9 +161,15 @@ class AsyncLLMEngine:
                                request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> List[Completion]:
         """The n completions of a request, by index."""
         self.check_health()
-        request = self.engine.make_request(prompt, params, request_id, cache_salt)
+        request = await self._make_request(prompt, params, request_id, cache_salt)
         deltas = [d async for d in self._run_request(request)]
         return completions_by_choice(request.seq.prompt_token_ids, deltas)
+
+    async def _make_request(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str],
+                            cache_salt: Optional[str]) -> EngineRequest:
+        if params is not None and params.structured_outputs is not None:  # a grammar compile: off the event loop
+            return await asyncio.to_thread(self.engine.make_request, prompt, params, request_id, cache_salt)
+        return self.engine.make_request(prompt, params, request_id, cache_salt)
 
     async def _run_request(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
         rid = request.seq.request_id

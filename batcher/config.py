@@ -52,6 +52,9 @@ class EngineConfig(BaseModel):
         "free for the serving processes (HTTP, Serve's messages). None: num_threads for every step.")
     small_step_tokens: int = Field(8, ge=1, description="Largest step (in tokens) run on small_step_threads.")
     seed: int = 0
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, description="A structured output whose grammar takes longer to compile is refused (400); "
+        "its compile finishes in the background and is cached for the next request.")
     trace_steps: int = Field(0, ge=0, description="Record batch occupancy for this many steps (0: off).")
     stall_timeout_s: Optional[float] = Field(
         None, gt=0, description="check_health fails when the loop has had work but completed no step for "

@@ -39,6 +39,7 @@ class EngineRequest:
     (Scheduler.fork), which share its blocks."""
 
     choices: List[EngineChoice]
+    grammar: Optional[object] = None  # the compiled grammar of a structured output (batcher.grammar)
 
     @property
     def seq(self) -> Sequence:

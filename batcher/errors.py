@@ -1,7 +1,7 @@
 """Typed errors of the engine: callers map them to HTTP statuses."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 
 class EngineError(Exception):
@@ -19,7 +19,12 @@ class RequestTooLongError(EngineError, ValueError):
 
 
 class InvalidRequestError(EngineError, ValueError):
-    """Malformed input (empty prompt, token ids out of the vocabulary, duplicate request id)."""
+    """Malformed input (empty prompt, token ids out of the vocabulary, duplicate request id, a
+    constraint that does not compile). `param`: the request field at fault, when not the prompt."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineDeadError(EngineError, RuntimeError):

@@ -4,29 +4,25 @@ from __future__ import annotations
 
 import copy
 import time
-import uuid
-from typing import Dict, List, Optional, Sequence as Seq, Tuple, Union
+from typing import Dict, List, Optional, Sequence as Seq, Union
 
 import torch
 
 from batcher import simulated
-from batcher.block_hash import root_hash
 from batcher.block_manager import BlockManager
 from batcher.config import EngineConfig
-from batcher.detokenizer import IncrementalDetokenizer
 from batcher.engine_request import EngineChoice, EngineRequest
-from batcher.errors import InvalidRequestError, RequestTooLongError, StepError
+from batcher.errors import InvalidRequestError, StepError
+from batcher.grammar import ConstrainedRows
 from batcher.model_loader import context_length, load_model, load_tokenizer, resolve_device, resolve_dtype
 from batcher.model_runner import ModelRunner
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice
 from batcher.paged_attention import KVCache
+from batcher.request_builder import Prompt, RequestBuilder
 from batcher.sampler import Sampler
 from batcher.sampling_params import SamplingParams
 from batcher.scheduler import Scheduler, SchedulerOutput
-from batcher.sequence import Sequence
 from batcher.trace import OccupancyTrace
-
-Prompt = Union[str, List[int]]
 
 
 class LLMEngine:
@@ -73,6 +69,10 @@ class LLMEngine:
             )
             self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.requests: Dict[str, EngineRequest] = {}
+        self.builder = RequestBuilder(self.model_name, self.tokenizer, self._detok_tokenizer, self.vocab_size,
+                                      self.max_model_len, self.kv_capacity_tokens, self.eos_token_ids,
+                                      config.grammar_compile_timeout_s, self.simulation is not None)
+        self.constrained: Optional[ConstrainedRows] = None  # made on the first constrained request
         self.counters = EngineStats(kv_blocks_total=num_blocks)
         self.last_step_time = time.monotonic()
         self.trace = OccupancyTrace(config.trace_steps) if config.trace_steps else None
@@ -100,43 +100,18 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
     def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> EngineRequest:
-        """Validates and tokenizes; touches no engine state, so any thread may call it. Requests
-        with different `cache_salt`s never share prefix-cache blocks (batcher.block_hash)."""
-        params = params or SamplingParams()
-        if cache_salt is not None and not cache_salt:
-            raise InvalidRequestError("cache_salt must be a non-empty string when given")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty")
-            ids = self.tokenizer(prompt)["input_ids"]
-        else:
-            ids = list(prompt)
-            if not ids:
-                raise InvalidRequestError("prompt must not be empty")
-            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        bad = next((t for t in params.logit_bias if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"logit_bias: token id {bad} is out of the vocabulary [0, {self.vocab_size})")
-        needed = len(ids) + params.max_tokens
-        if needed > self.max_model_len:
-            raise RequestTooLongError("max_model_len", needed, self.max_model_len,
-                                      f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
-        if needed > self.kv_capacity_tokens:
-            raise RequestTooLongError("the KV cache capacity", needed, self.kv_capacity_tokens,
-                                      f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
-        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, cache_root=root_hash(self.model_name, cache_salt))
-        return EngineRequest([self._choice(seq)])
-
-    def _choice(self, seq: Sequence) -> EngineChoice:
-        return EngineChoice(seq, IncrementalDetokenizer(self._detok_tokenizer, seq.params.stop),
-                            [] if seq.params.logprobs is not None else None)
+        """Validates, tokenizes, compiles a constraint (RequestBuilder.build); any thread may call it."""
+        return self.builder.build(prompt, params, request_id, cache_salt)
 
     def add(self, request: EngineRequest) -> None:
         rid = request.seq.request_id
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         self.requests[rid] = request
+        if request.grammar is not None:
+            if self.constrained is None:
+                self.constrained = ConstrainedRows(self.vocab_size, self.config.max_num_seqs)
+            self.constrained.add(request.seq, request.grammar)
         self.scheduler.add(request.seq)
         self.counters.prompt_tokens += request.seq.num_prompt_tokens
 
@@ -177,8 +152,11 @@ class LLMEngine:
         sampling = [s.seq for s in out.scheduled if s.samples]
         t1 = time.perf_counter()
         try:
+            # Constrained rows' masks are filled on a worker thread while the forward runs.
+            filling = self.constrained.start(sampling) if self.constrained else None
             logits = self.runner.execute(out.scheduled)
             t2 = time.perf_counter()
+            masks = filling.result() if filling is not None else None
             # n = 1 (nearly every row) is decided without a lookup: the step loop is hot.
             forks = {seq: [seq.fork(i) for i in range(1, seq.params.n)] for seq in sampling
                      if seq.params.n > 1 and len(self.requests[seq.request_id].choices) < seq.params.n}
@@ -186,7 +164,8 @@ class LLMEngine:
                 rows = [i for i, seq in enumerate(sampling) for _ in range(1 + len(forks.get(seq, ())))]
                 sampling = [c for seq in sampling for c in (seq, *forks.get(seq, ()))]
                 logits = logits[torch.tensor(rows)] if torch.is_tensor(logits) else [logits[i] for i in rows]
-            tokens, logprobs = self.sampler.sample(logits, sampling)
+                masks = masks.select(rows) if masks is not None else None
+            tokens, logprobs = self.sampler.sample(logits, sampling, masks)
         except Exception as e:  # a kernel error, NaN probabilities, device OOM: this step's requests only
             raise self._fail_step(out, e) from e
         self.scheduler.update_after_step(out)
@@ -194,7 +173,10 @@ class LLMEngine:
             pairs = self.scheduler.fork(parent, children)
             if not self.simulation:  # a simulated runner holds no K/V
                 self.runner.kv_cache.copy_blocks(pairs)
-            self.requests[parent.request_id].choices += [self._choice(c) for c in children]
+            request = self.requests[parent.request_id]
+            request.choices += [self.builder.choice(c) for c in children]
+            for child in children if request.grammar is not None else ():
+                self.constrained.add(child, request.grammar)
         c = self.counters
         c.tokens_computed += out.num_tokens
         c.kv_slot_use_sum += self.scheduler.kv_slot_use()
@@ -205,7 +187,8 @@ class LLMEngine:
             seq.append_token(token)
             if lp is not None:
                 choice.logprobs.append(lp)
-            reason = self._stop_reason(choice, token)
+            refused = self.constrained is not None and not self.constrained.accept(seq, token)
+            reason = "stop" if refused else self._stop_reason(choice, token)
             if reason:
                 self.scheduler.finish(seq, reason)
                 if request.finished:
@@ -250,6 +233,8 @@ class LLMEngine:
         """Ends the request: its open choices with `reason` (finished ones keep theirs)."""
         for choice in request.choices:
             self.scheduler.finish(choice.seq, reason)
+            if self.constrained is not None:
+                self.constrained.remove(choice.seq)
         self.sampler.forget(request.seq.request_id)
         del self.requests[request.seq.request_id]
         self.counters.finished_requests += reason not in ("abort", "error")

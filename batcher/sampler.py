@@ -1,5 +1,5 @@
-"""Turns logits into tokens: penalties, biases and min_tokens as batched tensors over the rows that
-ask for them, then batched argmax for greedy rows and per-request generators for seeded ones."""
+"""Turns logits into tokens: penalties, biases, min_tokens and grammar masks as batched tensors over
+the rows that ask for them, then batched argmax for greedy rows and per-request generators for seeded ones."""
 from __future__ import annotations
 
 import hashlib
@@ -7,6 +7,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from batcher.grammar import TokenMasks
 from batcher.outputs import TokenLogprob
 from batcher.sampling_params import SamplingParams
 from batcher.sequence import Sequence
@@ -34,13 +35,16 @@ class Sampler:
             g = choices[seq.index] = torch.Generator().manual_seed(choice_seed(seq.params.seed, seq.index))
         return g
 
-    def sample(self, logits: torch.Tensor,
-               seqs: List[Sequence]) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
+    @torch.inference_mode()  # the runner's logits are inference tensors, processed in place
+    def sample(self, logits: torch.Tensor, seqs: List[Sequence],
+               masks: Optional[TokenMasks] = None) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
         """logits: (S, vocab) float on any device, one row per sequence in `seqs` (their token ids so
-        far are the penalties' history). Returns token ids and, where asked, logprobs."""
+        far are the penalties' history); `masks`: the grammar masks of the constrained rows. Returns
+        token ids and, where asked, logprobs."""
         logits = logits.cpu()
         params = [s.params for s in seqs]
-        processed = self.process_logits(logits, seqs)
+        # Raw logits are kept (one copy of the batch's) only when a row reports logprobs of them.
+        processed = self.process_logits(logits, seqs, masks, in_place=not any(p.logprobs is not None for p in params))
         tokens = processed.argmax(dim=-1)
         for i, p in enumerate(params):
             if not p.greedy:
@@ -60,11 +64,14 @@ class Sampler:
                 )
         return token_list, logprobs
 
-    def process_logits(self, logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
-        """`logits` itself when no sequence asks for processing (no tensor is built); otherwise a new
-        tensor with the asking rows processed, in vLLM's order: logit_bias, the min_tokens mask,
-        repetition penalty, then frequency and presence penalties."""
-        rows = [i for i, s in enumerate(seqs) if s.params.processes_logits]
+    def process_logits(self, logits: torch.Tensor, seqs: List[Sequence], masks: Optional[TokenMasks] = None,
+                       in_place: bool = False) -> torch.Tensor:
+        """`logits` itself when no sequence asks for processing (no tensor is built); otherwise the
+        logits with the asking rows processed (a new tensor, or `logits` itself when in_place), in vLLM's order: logit_bias, the min_tokens mask,
+        repetition penalty, frequency and presence penalties, then the grammar's mask (last, so
+        nothing it disallows comes back)."""
+        masked = set(masks.rows) if masks is not None else set()
+        rows = [i for i, s in enumerate(seqs) if s.params.processes_logits or i in masked]
         if not rows:
             return logits
         picked = [seqs[i] for i in rows]
@@ -73,7 +80,11 @@ class Sampler:
         _mask_stops(sub, picked, self._eos_token_ids)
         _repetition_penalty(sub, picked)
         _frequency_presence_penalties(sub, picked)
-        return logits.index_copy(0, torch.tensor(rows), sub)
+        if masks is not None:
+            masks.apply(sub, rows)
+        out = logits if in_place else logits.clone()
+        out[torch.tensor(rows)] = sub
+        return out
 
     @staticmethod
     def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

@@ -5,6 +5,8 @@ from typing import Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from batcher.structured_outputs import StructuredOutputs
+
 
 SEED_RANGE = (-(2**63), 2**64)
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence_penalty and frequency_penalty
@@ -43,6 +45,9 @@ class SamplingParams(BaseModel):
         "keys as JSON sends them are converted).")
     min_tokens: int = Field(
         0, ge=0, description="EOS and stop_token_ids cannot be sampled before this many tokens (vLLM's).")
+    structured_outputs: Optional[StructuredOutputs] = Field(
+        None, description="The output must match this JSON schema, regex, choice or grammar (vLLM's field; "
+        "batcher.grammar enforces it token by token).")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -71,6 +76,12 @@ class SamplingParams(BaseModel):
         if bad is not None:
             raise ValueError(f"the bias of token {bad} is {v[bad]}, not a number in [{lo:g}, {hi:g}]")
         return v
+
+    @model_validator(mode="after")
+    def _constraint_can_end(self):
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("ignore_eos: a structured output ends with EOS when its grammar is complete")
+        return self
 
     @model_validator(mode="after")
     def _min_tokens_fit(self):

@@ -208,9 +208,11 @@ class SimulatedRunner:
 
 class SimulatedSampler:
     """Stands in for Sampler: the runner already chose the tokens. Logprobs are not simulated (the
-    chosen token gets 0.0 and no alternatives), nor are penalties, logit_bias and min_tokens."""
+    chosen token gets 0.0 and no alternatives), nor are penalties, logit_bias and min_tokens; structured
+    outputs are refused (LLMEngine.make_request), so `masks` is always None."""
 
-    def sample(self, tokens: List[int], seqs: List[Sequence]) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
+    def sample(self, tokens: List[int], seqs: List[Sequence],
+               masks=None) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
         return tokens, [TokenLogprob(t, 0.0) if s.params.logprobs is not None else None for t, s in zip(tokens, seqs)]
 
     def forget(self, request_id: str) -> None:

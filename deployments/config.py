@@ -71,6 +71,13 @@ class LimitsConfig(BaseModel):
         8, ge=1, le=128, description="Most choices (`n`) per request. Each choice is a sequence in the batch "
         "with its own KV blocks past the shared prompt: on a few CPU cores 128 (OpenAI's and vLLM's ceiling) "
         "from one client would fill a replica's batch and starve everyone else's.")
+    max_constraint_chars: int = Field(
+        65536, ge=1, description="Largest output constraint: a JSON schema (response_format, structured_outputs, "
+        "the tools' parameters together) as JSON text, a regex, a grammar or the choices.")
+    max_schema_depth: int = Field(
+        32, ge=1, description="Deepest nesting of a JSON schema (objects and lists inside each other): "
+        "compile time grows with it.")
+    max_tools: int = Field(128, ge=0, description="Most tools per request (OpenAI's limit).")
 
 
 class IngressConfig(BaseModel):
@@ -91,6 +98,10 @@ class IngressConfig(BaseModel):
         None, min_length=1, description="Path (on the ingress's node) of a file with one API key per line.")
     cors_allow_origins: List[str] = Field(
         default_factory=list, description="Origins allowed by CORS, e.g. ['https://app.example']; [] = CORS off.")
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
+        "hermes", description="How `tool_choice: auto` answers are read for tool calls: 'hermes' (<tool_call> JSON: "
+        "Hermes, Qwen2.5/3, and any model whose template ignores tools, which get the Hermes prompt) or "
+        "'llama3_json' (Llama 3.1+ JSON calls).")
 
 
 class StreamConfig(BaseModel):

@@ -53,7 +53,7 @@ def engine_error(exc: Exception, prompt_param: str = "prompt") -> APIError:
     if isinstance(exc, RequestTooLongError):
         return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=prompt_param)
+        return APIError(400, str(exc), param=exc.param or prompt_param)
     if isinstance(exc, pydantic.ValidationError):
         return validation_error(exc)
     if isinstance(exc, EngineDeadError):

@@ -23,10 +23,10 @@ from deployments.auth import APIKeyAuth, load_api_keys
 from deployments.config import IngressConfig
 from deployments.errors import APIError, engine_error, model_not_found, overload_error
 from deployments.http_errors import install_error_handlers
-from deployments.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                                         ChatCompletionRequest, ChatDelta, ChatLogprobs, ChatMessageOut,
-                                         CompletionChoice, CompletionLogprobs, CompletionRequest, ModelCard,
-                                         ModelList, StreamUsage, TextCompletion, Usage, new_id)
+from deployments.chat_output import ChatOutput, chat_events
+from deployments.openai_protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, CompletionChoice,
+                                         CompletionLogprobs, CompletionRequest, ModelCard, ModelList, StreamUsage,
+                                         TextCompletion, Usage, new_id)
 from deployments.limits import BodySizeLimit, RequestLimits
 from deployments.prompts import prepare
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, PreparedRequest
@@ -140,13 +140,9 @@ class OpenAIIngress:
         out = await self._generate(request)
         log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
-        return ChatCompletion(
-            id=rid, created=created, model=self.model_name,
-            choices=[ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                                logprobs=ChatLogprobs.of(c.logprobs) if c.logprobs is not None else None)
-                     for c in out.choices or [out]],
-            usage=Usage.of(out),
-        )
+        output = ChatOutput(body, self.config.tool_call_parser)
+        return ChatCompletion(id=rid, created=created, model=self.model_name,
+                              choices=[output.choice_of(c) for c in out.choices or [out]], usage=Usage.of(out))
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, response: Response):
@@ -229,25 +225,9 @@ class OpenAIIngress:
                 log.write(200, last, finish_reason="abort")  # the client went away
 
     def _chat_events(self, body: ChatCompletionRequest, rid: str, created: int):
-        usage, started = StreamUsage(body.n), set()
-
-        def events(chunk: GenerateChunk) -> str:
-            def make(choices, usage=None):
-                return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices,
-                                           usage=usage)
-            out = ""
-            if chunk.index not in started:  # each choice opens with the role, as OpenAI's do
-                started.add(chunk.index)
-                out += _sse(make([ChatChunkChoice(index=chunk.index, delta=ChatDelta(role="assistant", content=""))]))
-            if chunk.text or chunk.finish_reason or chunk.token_ids:
-                lps = ChatLogprobs.of(chunk.logprobs) if chunk.logprobs else None
-                out += _sse(make([ChatChunkChoice(index=chunk.index, delta=ChatDelta(content=chunk.text), logprobs=lps,
-                                                  finish_reason=chunk.finish_reason)]))
-            total = usage.add(chunk)
-            if total is not None and body.include_usage:
-                out += _sse(make([], total))
-            return out
-        return events
+        def make(choices, usage=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+        return chat_events(body, ChatOutput(body, self.config.tool_call_parser), make)
 
     def _completion_events(self, body: CompletionRequest, rid: str, created: int):
         usage, offsets = StreamUsage(body.n), {}

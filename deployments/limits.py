@@ -7,6 +7,7 @@ change and an operator which knob to turn.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Awaitable, Callable, List, Optional
@@ -79,6 +80,7 @@ class RequestLimits:
         if request.top_k > self.vocab_size:
             raise APIError(400, f"top_k: {request.top_k} is more than the vocabulary ({self.vocab_size} tokens)",
                            param="top_k")
+        self._check_constraint(request)
         if request.max_tokens is not None and request.max_tokens > self.max_model_len:
             raise APIError(400, f"max_tokens: {request.max_tokens} is more than max_model_len {self.max_model_len}",
                            param="max_tokens", code="context_length_exceeded")
@@ -116,12 +118,41 @@ class RequestLimits:
             raise APIError(400, f"prompt: {len(request.prompt)} token ids, more than max_model_len "
                            f"{self.max_model_len}", param="prompt", code="context_length_exceeded")
 
+    def _check_constraint(self, request: GenerateRequest) -> None:
+        """Sizes of what the output must follow, before a replica spends time compiling it."""
+        c = self.config
+        spec, tools = request.structured_outputs, request.tools or []
+        if len(tools) > c.max_tools:
+            raise limit_error("tools", f"{len(tools)} tools", "max_tools", c.max_tools)
+        schemas = [t.function.parameters for t in tools if t.function.parameters is not None]
+        if spec is not None and spec.json_schema is not None:
+            schemas.append(spec.json_schema)
+        param = "structured_outputs" if spec is not None else "tools"
+        size = sum(len(json.dumps(t.function.parameters)) for t in tools) + (len(spec.cache_key()) if spec else 0)
+        if size > c.max_constraint_chars:
+            raise limit_error(param, f"a constraint of {size} characters", "max_constraint_chars",
+                              c.max_constraint_chars)
+        depth = max(map(_depth, schemas), default=0)
+        if depth > c.max_schema_depth:
+            raise limit_error(param, f"a JSON schema nested {depth} deep", "max_schema_depth", c.max_schema_depth)
+
     def _check_ids(self, param: str, ids) -> None:
         # As vLLM does: ids the tokenizer cannot produce are refused here, not left to the model.
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"{param}: token id {bad} is out of the vocabulary [0, {self.vocab_size})",
                            param=param)
+
+
+def _depth(value) -> int:
+    """Nesting depth of JSON data, without recursion (a hostile schema may be deeper than Python's stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def _check_unicode(param: str, text: str) -> None:

@@ -1,18 +1,50 @@
 """The OpenAI HTTP API's request and response bodies (the subset iterserve serves).
 
 Unknown request fields are refused with a 400, as OpenAI itself does. Penalties and logit_bias are
-OpenAI's; repetition_penalty, min_tokens, top_k, ignore_eos and cache_salt are extensions (vLLM's
+OpenAI's, as are response_format (a JSON object or schema); repetition_penalty, min_tokens, top_k,
+ignore_eos, cache_salt and structured_outputs (json, regex, choice, grammar) are extensions (vLLM's
 names). Their ranges are SamplingParams', checked when the body becomes a GenerateRequest.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from batcher.structured_outputs import StructuredOutputs
 from deployments.protocol import ChatMessage, GenerateRequest, OutputLogprob
+from deployments.tool_calls import ToolCall, ToolCallDelta, ToolChoice, ToolDefinition
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    json_schema: Optional[Dict[str, Any]] = Field(None, alias="schema")  # OpenAI: absent means any object
+    strict: Optional[bool] = None  # the output always follows the schema here: strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+    def constraint(self) -> Optional[StructuredOutputs]:
+        if self.type == "json_object" or (self.type == "json_schema" and self.json_schema.json_schema is None):
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputs(json=self.json_schema.json_schema)
+        return None
 
 
 class StreamOptions(BaseModel):
@@ -42,12 +74,20 @@ class _Request(BaseModel):
     min_tokens: Optional[int] = None  # extension
     user: Optional[str] = None
     cache_salt: Optional[str] = Field(None, min_length=1)  # extension (vLLM's): see GenerateRequest
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None  # extension (vLLM's): json, regex, choice, grammar
 
     def _generate_fields(self) -> dict:
         names = ("n", "temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "presence_penalty",
                  "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens")
-        fields = {k: getattr(self, k) for k in names}
+        fields = {k: getattr(self, k) for k in names} | {"structured_outputs": self._constraint()}
         return {k: v for k, v in fields.items() if v is not None} | {"ignore_eos": self.ignore_eos}
+
+    def _constraint(self) -> Optional[StructuredOutputs]:
+        from_format = self.response_format.constraint() if self.response_format is not None else None
+        if from_format is not None and self.structured_outputs is not None:
+            raise ValueError("response_format and structured_outputs: give one constraint, not both")
+        return from_format or self.structured_outputs
 
     @property
     def include_usage(self) -> bool:
@@ -59,12 +99,16 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[List[ToolDefinition]] = None
+    tool_choice: Optional[ToolChoice] = None  # "none", "auto" (default with tools), "required", a function
+    parallel_tool_calls: bool = True
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         top = (self.top_logprobs or 0) if self.logprobs else None
         return GenerateRequest(
             messages=self.messages, max_tokens=self.max_completion_tokens or self.max_tokens,
-            logprobs=top, request_id=request_id, **self._generate_fields(),
+            logprobs=top, request_id=request_id, tools=self.tools, tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls, **self._generate_fields(),
         )
 
 
@@ -180,7 +224,8 @@ class CompletionLogprobs(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]  # None when the answer is tool calls only, as OpenAI's
+    tool_calls: Optional[List[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -202,6 +247,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[List[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -14,11 +14,15 @@ import pydantic
 from deployments.errors import APIError, engine_error
 from deployments.limits import RequestLimits
 from deployments.protocol import GenerateRequest, PreparedRequest
+from deployments.tool_calls import render_chat
 
 
 def chat_text(tokenizer, request: GenerateRequest) -> str:
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    """The chat template applied: tool calls and results of earlier turns included, and the tools
+    themselves unless tool_choice is "none" (then the model is not told of them)."""
+    messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in request.messages]
+    tools = request.tools if request.tool_choice != "none" else None
+    return render_chat(tokenizer, messages, tools)
 
 
 def prompt_token_ids(tokenizer, request: GenerateRequest) -> List[int]:

@@ -12,6 +12,8 @@ from typing import List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batcher.sampling_params import SamplingParams
+from batcher.structured_outputs import StructuredOutputs
+from deployments.tool_calls import ToolChoice, ToolDefinition, check_tool_choice, constraint_schema
 
 
 class ContentPart(BaseModel):
@@ -46,6 +48,13 @@ class GenerateRequest(SamplingParams):
         None, min_length=1, description="Requests share prefix-cache blocks only with requests of the same "
         "salt (as vLLM's cache_salt): tenants that must not learn of each other's prompts through cache "
         "timing each send their own.")
+    tools: Optional[List[ToolDefinition]] = Field(
+        None, description="Functions the model may call (chat only): the chat template renders them; "
+        "deployments.tool_parsers reads calls back out of the text.")
+    tool_choice: Optional[ToolChoice] = Field(
+        None, description="'none', 'auto' (default with tools), 'required' or a named function: the last two "
+        "constrain the output to the functions' JSON schemas (deployments.tool_calls.constraint_schema).")
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
@@ -53,7 +62,17 @@ class GenerateRequest(SamplingParams):
             raise ValueError("pass exactly one of `prompt` and `messages`")
         if self.messages is not None and not self.messages:
             raise ValueError("`messages` must not be empty")
+        if self.tools and self.messages is None:
+            raise ValueError("tools: only chat requests (`messages`) can call tools")
+        check_tool_choice(self.tools, self.tool_choice)
+        if self.structured_outputs is not None and self.tool_constraint() is not None:
+            raise ValueError("tool_choice: a required or named tool choice constrains the output already; "
+                             "drop response_format / structured_outputs")
         return self
+
+    def tool_constraint(self) -> Optional[StructuredOutputs]:
+        schema = constraint_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return StructuredOutputs(json=schema) if schema is not None else None
 
     @property
     def prompt_param(self) -> str:
@@ -61,8 +80,9 @@ class GenerateRequest(SamplingParams):
         return "messages" if self.messages is not None else "prompt"
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        fields = set(SamplingParams.model_fields) - {"max_tokens"}
-        return SamplingParams(max_tokens=max_tokens, **self.model_dump(include=fields))
+        fields = set(SamplingParams.model_fields) - {"max_tokens", "structured_outputs"}
+        return SamplingParams(max_tokens=max_tokens, structured_outputs=self.structured_outputs or self.tool_constraint(),
+                              **self.model_dump(include=fields))
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,11 @@ def test_a_mixed_batch_leaves_plain_rows_exactly_as_today(seed):
     raw = logits.clone()
     sampler = Sampler(0, EOS)
     got = sampler.process_logits(logits, cases)
-    tokens, _ = sampler.sample(logits, cases)
-    assert torch.equal(logits, raw)  # the raw logits are never written
+    assert torch.equal(logits, raw)  # not in place unless asked
+    tokens, _ = sampler.sample(logits.clone(), cases)  # in place: no row reports logprobs
+    cases[1].params = cases[1].params.model_copy(update={"logprobs": 2})
+    assert sampler.sample(logits, cases)[0] == tokens
+    assert torch.equal(logits, raw)  # a row reports logprobs of the raw logits: they are never written
     for i, s in enumerate(cases):
         expected = hf_reference(raw[i], s) if s.params.processes_logits else raw[i]
         assert torch.equal(got[i], expected), (i, s.params)
