@@ -17,13 +17,22 @@ BlockHash = bytes  # 32-byte SHA-256 digest
 _VERSION = b"iterserve-kv-block-v1\0"
 
 
-def root_hash(model: str, cache_salt: Optional[str] = None) -> BlockHash:
-    """The parent of a sequence's first block."""
+def root_hash(model: str, cache_salt: Optional[str] = None, adapter: Optional[str] = None) -> BlockHash:
+    """The parent of a sequence's first block. `adapter`: the LoRA adapter's cache id
+    (adapter_cache_id), None for the base model: an adapter changes every layer's K/V."""
     h = hashlib.sha256(_VERSION)
     h.update(model.encode())
     if cache_salt is not None:  # length-prefixed: no model/salt pair can spell another
         h.update(b"\0salt\0%d\0" % len(cache_salt) + cache_salt.encode())
+    if adapter is not None:
+        h.update(b"\0lora\0%d\0" % len(adapter) + adapter.encode())
     return h.digest()
+
+
+def adapter_cache_id(name: str, digest: str) -> str:
+    """What roots an adapter's blocks: its name and its weights' digest, so an adapter reloaded under
+    the same name with other weights never reuses the old K/V."""
+    return f"{name}@{digest}"
 
 
 def iter_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int, root: BlockHash,

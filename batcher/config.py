@@ -3,11 +3,38 @@ from __future__ import annotations
 
 import os
 
-from typing import Literal, Optional
+from typing import Dict, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from batcher import simulated
+
+
+class LoRAConfig(BaseModel):
+    """Multi-LoRA serving (batcher/lora_adapter.py): PEFT adapters on the base model, several per batch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    adapters: Dict[str, str] = Field(default_factory=dict, description="Adapters by name: a local directory "
+                                     "in PEFT's format (adapter_config.json + adapter_model.safetensors).")
+    dynamic_lora_loading_path: Optional[str] = Field(
+        None, description="A directory (or an fsspec URI, fsspec installed) holding adapters as <name>/: a "
+        "request naming an adapter not listed loads it from there on first use.")
+    max_loras: int = Field(4, ge=1, description="Distinct adapters in one batch (preallocated weight slots).")
+    max_cpu_loras: Optional[int] = Field(
+        None, ge=1, description="Adapters held in memory per replica, least recently used evicted first "
+        "(never one a request in flight uses). None: max(max_loras, 8).")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="Largest adapter rank accepted (slots are this wide).")
+
+    @model_validator(mode="after")
+    def _cpu_holds_a_batch(self) -> "LoRAConfig":
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        return self
+
+    @property
+    def memory_slots(self) -> int:
+        return self.max_cpu_loras or max(self.max_loras, 8)
 
 
 class EngineConfig(BaseModel):
@@ -52,6 +79,8 @@ class EngineConfig(BaseModel):
         "free for the serving processes (HTTP, Serve's messages). None: num_threads for every step.")
     small_step_tokens: int = Field(8, ge=1, description="Largest step (in tokens) run on small_step_threads.")
     seed: int = 0
+    lora: Optional[LoRAConfig] = Field(None, description="Serve LoRA adapters of the model (None: the base only). "
+                                       "An engine with adapters runs its forward eagerly.")
     grammar_compile_timeout_s: float = Field(
         10.0, gt=0, description="A structured output whose grammar takes longer to compile is refused (400); "
         "its compile finishes in the background and is cached for the next request.")
@@ -66,6 +95,12 @@ class EngineConfig(BaseModel):
         if simulated.is_simulated(model):
             simulated.preset_for(model)  # names the known presets when this one is not
         return model
+
+    @model_validator(mode="after")
+    def _lora_on_float_linears(self) -> "EngineConfig":
+        if self.lora is not None and self.quantization is not None:
+            raise ValueError("lora: adapters run on float linear layers; unset quantization to serve them")
+        return self
 
     @model_validator(mode="after")
     def _check_static(self) -> "EngineConfig":

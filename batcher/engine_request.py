@@ -40,6 +40,7 @@ class EngineRequest:
 
     choices: List[EngineChoice]
     grammar: Optional[object] = None  # the compiled grammar of a structured output (batcher.grammar)
+    adapter: Optional[object] = None  # the LoRAAdapter it runs with (batcher.lora_adapter); None: the base
 
     @property
     def seq(self) -> Sequence:

@@ -27,6 +27,10 @@ class InvalidRequestError(EngineError, ValueError):
         self.param = param
 
 
+class LoRANotFoundError(EngineError, LookupError):
+    """A request names a LoRA adapter this engine neither holds nor can find."""
+
+
 class EngineDeadError(EngineError, RuntimeError):
     """The step loop died; the replica must be replaced."""
 

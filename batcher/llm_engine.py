@@ -18,6 +18,7 @@ from batcher.model_loader import context_length, load_model, load_tokenizer, res
 from batcher.model_runner import ModelRunner
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice
 from batcher.paged_attention import KVCache
+from batcher.lora_runtime import LoRARuntime
 from batcher.request_builder import Prompt, RequestBuilder
 from batcher.sampler import Sampler
 from batcher.sampling_params import SamplingParams
@@ -52,9 +53,11 @@ class LLMEngine:
         self.max_model_len = context_length(mcfg, config.max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(mcfg)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # LoRA adapters: slots in the model's linear layers (before the runner builds its forward).
+        self.lora = LoRARuntime(config.lora, None if self.simulation else model) if config.lora else None
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.watermark,
-            config.static_batch_size if config.scheduling == "static" else None,
+            config.static_batch_size if config.scheduling == "static" else None, self.lora and self.lora.slots,
         )
         if self.simulation:
             answer_ids = self.tokenizer(simulated.ANSWER_TEXT, add_special_tokens=False)["input_ids"]
@@ -63,15 +66,16 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(
                 model, num_blocks, config.block_size, self.dtype, self.device, config.attention_backend,
-                compile=config.compile, max_num_seqs=config.max_num_seqs,
+                compile="off" if self.lora else config.compile, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
                 thread_counts={self._threads, config.small_step_threads or self._threads},
+                lora=self.lora and self.lora.model,
             )
             self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.requests: Dict[str, EngineRequest] = {}
         self.builder = RequestBuilder(self.model_name, self.tokenizer, self._detok_tokenizer, self.vocab_size,
                                       self.max_model_len, self.kv_capacity_tokens, self.eos_token_ids,
-                                      config.grammar_compile_timeout_s, self.simulation is not None)
+                                      config.grammar_compile_timeout_s, self.simulation is not None, self.lora)
         self.constrained: Optional[ConstrainedRows] = None  # made on the first constrained request
         self.counters = EngineStats(kv_blocks_total=num_blocks)
         self.last_step_time = time.monotonic()
@@ -98,16 +102,35 @@ class LLMEngine:
         return min(self.max_model_len, self.kv_capacity_tokens)
 
     # -- requests -----------------------------------------------------------------------------
-    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                     request_id: Optional[str] = None, cache_salt: Optional[str] = None) -> EngineRequest:
-        """Validates, tokenizes, compiles a constraint (RequestBuilder.build); any thread may call it."""
-        return self.builder.build(prompt, params, request_id, cache_salt)
+    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+                     cache_salt: Optional[str] = None, lora_name: Optional[str] = None,
+                     lora_path: Optional[str] = None) -> EngineRequest:
+        """Validates, tokenizes, compiles a constraint, loads the adapter (RequestBuilder.build); any
+        thread may call it."""
+        return self.builder.build(prompt, params, request_id, cache_salt, lora_name, lora_path)
+
+    def load_lora(self, name: str, path: str) -> dict:
+        """Reads, checks and holds adapter `name` (any thread); InvalidRequestError names what is wrong."""
+        return self._lora_runtime().load(name, path).info()
+
+    def unload_lora(self, name: str) -> bool:
+        return self._lora_runtime().unload(name)
+
+    def lora_names(self) -> List[str]:
+        return self.lora.names() if self.lora is not None else []
+
+    def _lora_runtime(self) -> LoRARuntime:
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (engine.lora is unset)", "lora")
+        return self.lora
 
     def add(self, request: EngineRequest) -> None:
         rid = request.seq.request_id
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         self.requests[rid] = request
+        if request.adapter is not None:
+            self.lora.added(request.adapter, request.seq.num_prompt_tokens)
         if request.grammar is not None:
             if self.constrained is None:
                 self.constrained = ConstrainedRows(self.vocab_size, self.config.max_num_seqs)
@@ -154,7 +177,7 @@ class LLMEngine:
         try:
             # Constrained rows' masks are filled on a worker thread while the forward runs.
             filling = self.constrained.start(sampling) if self.constrained else None
-            logits = self.runner.execute(out.scheduled)
+            logits = self.runner.execute(out.scheduled, self.lora.step_slots(out.scheduled) if self.lora else None)
             t2 = time.perf_counter()
             masks = filling.result() if filling is not None else None
             # n = 1 (nearly every row) is decided without a lookup: the step loop is hot.
@@ -236,6 +259,9 @@ class LLMEngine:
             if self.constrained is not None:
                 self.constrained.remove(choice.seq)
         self.sampler.forget(request.seq.request_id)
+        if request.adapter is not None:
+            self.lora.finished(request.adapter.name)
+            self.lora.generated(request.adapter.name, sum(c.seq.num_output_tokens for c in request.choices))
         del self.requests[request.seq.request_id]
         self.counters.finished_requests += reason not in ("abort", "error")
 
@@ -284,6 +310,8 @@ class LLMEngine:
             if q.num_computed_tokens < q.num_prompt_tokens)
         s.context_tokens = sum(q.num_tokens for q in self.scheduler.running)
         s.simulation = self.simulation.name if self.simulation else ""
+        if self.lora is not None:
+            s.resident_loras, s.lora_counters = self.lora.resident(), self.lora.counters()
         return s
 
     def snapshot(self) -> EngineSnapshot:

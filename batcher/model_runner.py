@@ -10,6 +10,7 @@ import torch
 from batcher.attention import resolve_backend
 from batcher.compiled_forward import StepForward, build_step_forward
 from batcher.cpu_linear import use_weight_major_linears
+from batcher.lora_layers import LoRAModel
 from batcher.paged_attention import ATTENTION_NAME, KVCache, PagedMetadata
 from batcher.scheduler import ScheduledSeq
 
@@ -64,7 +65,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, attention_backend: str = "auto", compile: str = "off",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_model_len: Optional[int] = None, thread_counts: Iterable[int] = (), freezing: bool = False):
+                 max_model_len: Optional[int] = None, thread_counts: Iterable[int] = (), freezing: bool = False,
+                 lora: Optional[LoRAModel] = None):
         """compile: EngineConfig.compile ('auto' | 'off'; 'inductor' requires it). thread_counts: the
         torch thread counts steps will run with (dynamo keeps one graph per thread count; each is
         compiled at start). freezing: inductor's, see batcher/compiled_forward.py."""
@@ -79,6 +81,7 @@ class ModelRunner:
                                    padded_rows(max_num_seqs, True), max_num_seqs,
                                    min(-(-max_len // block_size), num_blocks), device)
         self.max_num_seqs = max_num_seqs
+        self.lora = lora
         # CUDA graphs need a kernel with no host sync inside: only the Triton backend is (opt-in, never
         # yet run on a GPU); the graphs mutate the KV cache in place, at addresses fixed from now on.
         cuda_graphs = device.type == "cuda" and self.attention_backend == "triton"
@@ -109,8 +112,9 @@ class ModelRunner:
             torch.set_num_threads(before)
 
     @torch.inference_mode()
-    def execute(self, scheduled: List[ScheduledSeq]) -> torch.Tensor:
-        """Computes K/V for every scheduled token; returns (num_sampling_seqs, vocab) float logits."""
+    def execute(self, scheduled: List[ScheduledSeq], lora_slots: Optional[List[int]] = None) -> torch.Tensor:
+        """Computes K/V for every scheduled token; returns (num_sampling_seqs, vocab) float logits.
+        lora_slots: each scheduled sequence's adapter slot (-1: base), when any runs with an adapter."""
         bs, np_ = self.block_size, self.buffers.np
         input_ids: List[int] = []
         positions: List[int] = []
@@ -135,6 +139,9 @@ class ModelRunner:
         np_["positions"][:T] = positions
         np_["slot_mapping"][:T] = slots
         np_["sample_index"][:S] = sample_index
+        if self.lora is not None:
+            self.lora.set_step(None if lora_slots is None else
+                               [slot for s, slot in zip(scheduled, lora_slots) for _ in range(s.num_new_tokens)])
         logits = self._run(T, len(scheduled), S)
         return logits.float()
 

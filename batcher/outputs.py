@@ -67,6 +67,9 @@ class EngineStats:
     queued_prefill_tokens: int = 0  # prompt tokens waiting or running that are not computed yet
     context_tokens: int = 0  # tokens held by running sequences (what their decode steps attend to)
     simulation: str = ""  # the step-time preset of a simulated replica ("" for a real model)
+    resident_loras: Dict[str, str] = field(default_factory=dict)  # adapters in memory -> their cache ids
+    # adapter -> {"requests", "prompt_tokens", "generated_tokens", "loads", "evictions"}, cumulative
+    lora_counters: Dict[str, Dict[str, int]] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -9,8 +9,9 @@ from typing import List, Optional, Union
 from batcher.block_hash import root_hash
 from batcher.detokenizer import IncrementalDetokenizer
 from batcher.engine_request import EngineChoice, EngineRequest
-from batcher.errors import InvalidRequestError, RequestTooLongError
+from batcher.errors import InvalidRequestError, LoRANotFoundError, RequestTooLongError
 from batcher.grammar import GrammarCache
+from batcher.lora_runtime import LoRARuntime
 from batcher.sampling_params import SamplingParams
 from batcher.sequence import Sequence
 from batcher.structured_outputs import StructuredOutputs
@@ -20,7 +21,8 @@ Prompt = Union[str, List[int]]
 
 class RequestBuilder:
     def __init__(self, model_name: str, tokenizer, detok_tokenizer, vocab_size: int, max_model_len: int,
-                 kv_capacity_tokens: int, eos_token_ids, grammar_compile_timeout_s: float, simulated: bool):
+                 kv_capacity_tokens: int, eos_token_ids, grammar_compile_timeout_s: float, simulated: bool,
+                 lora: Optional[LoRARuntime] = None):
         self.model_name = model_name
         self.tokenizer = tokenizer
         self._detok_tokenizer = detok_tokenizer  # the engine thread's own (tokenizers are not thread-safe)
@@ -30,13 +32,16 @@ class RequestBuilder:
         self._eos_token_ids = eos_token_ids
         self._compile_timeout_s = grammar_compile_timeout_s
         self._simulated = simulated
+        self._lora = lora
         self.grammars: Optional[GrammarCache] = None  # made on the first constrained request
         self._grammars_lock = threading.Lock()
 
     def build(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-              cache_salt: Optional[str] = None) -> EngineRequest:
-        """Validates and tokenizes. Requests with different `cache_salt`s never share prefix-cache
-        blocks (batcher.block_hash)."""
+              cache_salt: Optional[str] = None, lora_name: Optional[str] = None,
+              lora_path: Optional[str] = None) -> EngineRequest:
+        """Validates and tokenizes; loads the LoRA adapter `lora_name` if it is not in memory (from
+        `lora_path`, else where the engine's LoRA config says). Requests with different `cache_salt`s
+        or adapters never share prefix-cache blocks (batcher.block_hash)."""
         params = params or SamplingParams()
         if cache_salt is not None and not cache_salt:
             raise InvalidRequestError("cache_salt must be a non-empty string when given")
@@ -48,9 +53,18 @@ class RequestBuilder:
         for name, limit in (("max_model_len", self.max_model_len), ("the KV cache capacity", self.kv_capacity_tokens)):
             if needed > limit:
                 raise RequestTooLongError(name, needed, limit, f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
-        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, cache_root=root_hash(self.model_name, cache_salt))
+        adapter = self._adapter(lora_name, lora_path)
+        root = root_hash(self.model_name, cache_salt, self._lora.cache_id(adapter) if adapter else None)
+        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, cache_root=root, lora_name=lora_name)
         grammar = self.compile(params.structured_outputs) if params.structured_outputs is not None else None
-        return EngineRequest([self.choice(seq)], grammar)
+        return EngineRequest([self.choice(seq)], grammar, adapter)
+
+    def _adapter(self, name: Optional[str], path: Optional[str]):
+        if name is None:
+            return None
+        if self._lora is None:
+            raise LoRANotFoundError(f"LoRA adapter {name!r}: this engine serves no adapters (engine.lora is unset)")
+        return self._lora.resolve(name, path)
 
     def _token_ids(self, prompt: Prompt) -> List[int]:
         if isinstance(prompt, str):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Deque, List, Optional, Set, Tuple
 
 from batcher.block_manager import BlockManager
+from batcher.lora_slots import LoRASlots
 from batcher.sequence import Sequence, SequenceStatus
 
 
@@ -44,12 +45,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         watermark: float = 0.0,
         static_batch_size: Optional[int] = None,
+        lora_slots: Optional[LoRASlots] = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.static_batch_size = static_batch_size  # None: continuous
+        self.lora_slots = lora_slots  # None: no adapters; else a sequence runs only with its adapter in a slot
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -89,12 +92,18 @@ class Scheduler:
             self._batch_open = True
         limit = self.static_batch_size if static else self.max_num_seqs
         bm = self.block_manager
+        skipped: List[Sequence] = []  # their adapter found no free slot: later ones may still run
+        stays_open = False
         while self.waiting and len(self.running) < limit:
             if budget <= 0:
-                return  # a static batch stays open: the budget, not the queue, stopped it
+                stays_open = True  # a static batch stays open: the budget, not the queue, stopped it
+                break
             seq = self.waiting[0]
             if static and not self._batch_open and seq not in self._static_batch:
                 break  # only the running batch's preempted members may come back
+            if self.lora_slots is not None and not self.lora_slots.can_acquire(seq.lora_name):
+                skipped.append(self.waiting.popleft())
+                continue
             cached = bm.match_prefix(seq)
             n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
             if not bm.can_admit(cached, n, self.watermark_blocks):
@@ -102,13 +111,20 @@ class Scheduler:
             self.waiting.popleft()
             bm.admit(seq, cached)
             bm.grow(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-            if static:
-                self._static_batch.add(seq)
-        self._batch_open = False
+        self.waiting.extendleft(reversed(skipped))  # back in their places, ahead of the rest
+        if not stays_open:
+            self._batch_open = False
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        if self.lora_slots is not None:
+            self.lora_slots.acquire(seq.lora_name)
+        if self.static_batch_size is not None:
+            self._static_batch.add(seq)
 
     def fork(self, parent: Sequence, children: List[Sequence]) -> List[Tuple[int, int]]:
         """Adds `parent`'s new choices (Sequence.fork) after its prompt was computed (update_after_step):
@@ -126,10 +142,7 @@ class Scheduler:
             pair = self.block_manager.fork(parent, child)
             if pair is not None:
                 copies.append(pair)
-            child.status = SequenceStatus.RUNNING
-            self.running.append(child)
-            if self.static_batch_size is not None:
-                self._static_batch.add(child)
+            self._run(child)  # the parent holds its adapter's slot: the child shares it
         for child in reversed(queued):
             child.status = SequenceStatus.WAITING
             self.waiting.appendleft(child)
@@ -140,6 +153,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, go back to the head of the queue."""
         self.block_manager.free(seq)
+        if self.lora_slots is not None:
+            self.lora_slots.release(seq.lora_name)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -155,6 +170,8 @@ class Scheduler:
         """Takes `seq` out of the batch (finished, stopped or aborted) and frees its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if self.lora_slots is not None:
+                self.lora_slots.release(seq.lora_name)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         else:

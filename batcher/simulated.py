@@ -183,7 +183,7 @@ class SimulatedRunner:
         self.simulated_seconds = 0.0
         self._last_return = 0.0
 
-    def execute(self, scheduled) -> List[int]:
+    def execute(self, scheduled, lora_slots=None) -> List[int]:
         seconds = self.preset.step.step_seconds(*step_features(scheduled))
         self.simulated_seconds += seconds
         # The engine's own bookkeeping since the previous step (scheduling, detokenizing) is part of

@@ -17,7 +17,8 @@ from deployments.tool_json import StreamPiece
 from deployments.tool_parsers import TOOL_CALL_PARSERS, calls_from_constrained, constrained_streamer
 
 
-def _sse(obj) -> str:
+def sse(obj) -> str:
+    """One server-sent event of an OpenAI chunk."""
     return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
 
 
@@ -67,7 +68,7 @@ def chat_events(body: ChatCompletionRequest, output: ChatOutput, make: Callable[
         out = ""
         if chunk.index not in streamers:  # each choice opens with the role, as OpenAI's do
             streamers[chunk.index] = output.streamer()
-            out += _sse(make([ChatChunkChoice(index=chunk.index, delta=ChatDelta(role="assistant", content=""))]))
+            out += sse(make([ChatChunkChoice(index=chunk.index, delta=ChatDelta(role="assistant", content=""))]))
         streamer = streamers[chunk.index]
         if streamer is None:
             piece = StreamPiece(chunk.text)
@@ -81,11 +82,11 @@ def chat_events(body: ChatCompletionRequest, output: ChatOutput, make: Callable[
             delta = ChatDelta(content=piece.content if piece.content or not piece.tool_calls else None,
                               tool_calls=piece.tool_calls or None)
             lps = ChatLogprobs.of(chunk.logprobs) if chunk.logprobs else None
-            out += _sse(make([ChatChunkChoice(index=chunk.index, delta=delta, logprobs=lps,
+            out += sse(make([ChatChunkChoice(index=chunk.index, delta=delta, logprobs=lps,
                                               finish_reason=_finish(chunk.finish_reason, called[chunk.index]))]))
         total = usage.add(chunk)
         if total is not None and body.include_usage:
-            out += _sse(make([], total))
+            out += sse(make([], total))
         return out
     return events
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import pydantic
 
-from batcher.errors import EngineDeadError, InvalidRequestError, RequestTooLongError
+from batcher.errors import EngineDeadError, InvalidRequestError, LoRANotFoundError, RequestTooLongError
 
 
 class APIError(Exception):
@@ -52,6 +52,8 @@ def engine_error(exc: Exception, prompt_param: str = "prompt") -> APIError:
         return exc
     if isinstance(exc, RequestTooLongError):
         return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, LoRANotFoundError):  # the replica looked for the adapter and found none
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=exc.param or prompt_param)
     if isinstance(exc, pydantic.ValidationError):

@@ -18,16 +18,18 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.serve.handle import DeploymentHandle
 from starlette.middleware.cors import CORSMiddleware
 
-from deployments import metrics, request_log
+from deployments import lora_routes, metrics, request_log
+from deployments.adapters import AdapterRegistry
 from deployments.auth import APIKeyAuth, load_api_keys
 from deployments.config import IngressConfig
-from deployments.errors import APIError, engine_error, model_not_found, overload_error
+from deployments.errors import APIError, engine_error, overload_error
 from deployments.http_errors import install_error_handlers
-from deployments.chat_output import ChatOutput, chat_events
+from deployments.chat_output import ChatOutput, chat_events, sse
 from deployments.openai_protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, CompletionChoice,
-                                         CompletionLogprobs, CompletionRequest, ModelCard, ModelList, StreamUsage,
+                                         CompletionLogprobs, CompletionRequest, ModelList, StreamUsage,
                                          TextCompletion, Usage, new_id)
 from deployments.limits import BodySizeLimit, RequestLimits
+from deployments.lora_api import LoadLoRAAdapterRequest, LoRAAdapterResponse, UnloadLoRAAdapterRequest
 from deployments.prompts import prepare
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, PreparedRequest
 from router import feedback
@@ -43,10 +45,6 @@ def _cancel(response) -> None:
         response.cancel()
     except Exception:
         pass
-
-
-def _sse(obj) -> str:
-    return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -67,6 +65,7 @@ class OpenAIIngress:
         self.overload = (self.config.overload_status_code, self.config.retry_after_s)
         self._info: Optional[ModelInfo] = None
         self._limits: Optional[RequestLimits] = None
+        self._adapters: Optional[AdapterRegistry] = None  # from the replicas' engine config, on first need
 
     def __serve_build_asgi_app__(self):
         """Serve calls this once per replica after __init__: the app with this replica's guards,
@@ -87,7 +86,7 @@ class OpenAIIngress:
 
     async def stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
         request = await self._prepare(request)
-        gen = self.llm_stream.stream.remote(request)
+        gen = self._llm(request, stream=True).stream.remote(request)
         finished, output = False, []
         try:
             async for chunk in gen:
@@ -103,7 +102,7 @@ class OpenAIIngress:
         feedback.record_answer(self.llm, request.request_id, request.prompt_token_ids, output)
 
     async def _generate(self, request: PreparedRequest) -> GenerateResponse:
-        response = self.llm.generate.remote(request)
+        response = self._llm(request).generate.remote(request)
         try:
             out = await response
         except asyncio.CancelledError:
@@ -126,9 +125,15 @@ class OpenAIIngress:
 
     @api.get("/v1/models")
     async def models(self) -> ModelList:
-        info = await self._model_info()
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=info.max_model_len,
-                                         simulation=info.simulation)])
+        return await lora_routes.model_list(self.llm, await self._registry(), await self._model_info())
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> LoRAAdapterResponse:
+        return await lora_routes.load(self.llm, await self._registry(), body, self._api_error)
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> LoRAAdapterResponse:
+        return await lora_routes.unload(self.llm, await self._registry(), body, self._api_error)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, response: Response):
@@ -141,7 +146,7 @@ class OpenAIIngress:
         log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
         output = ChatOutput(body, self.config.tool_call_parser)
-        return ChatCompletion(id=rid, created=created, model=self.model_name,
+        return ChatCompletion(id=rid, created=created, model=body.model or self.model_name,
                               choices=[output.choice_of(c) for c in out.choices or [out]], usage=Usage.of(out))
 
     @api.post("/v1/completions")
@@ -155,7 +160,7 @@ class OpenAIIngress:
         log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
         return TextCompletion(
-            id=rid, created=created, model=self.model_name,
+            id=rid, created=created, model=body.model or self.model_name,
             choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                       logprobs=CompletionLogprobs.of(c.logprobs) if c.logprobs is not None else None)
                      for c in out.choices or [out]],
@@ -165,8 +170,6 @@ class OpenAIIngress:
     # ---- helpers ---------------------------------------------------------------------------------
 
     async def _from_body(self, body, rid: str) -> PreparedRequest:
-        if body.model is not None and body.model != self.model_name:  # a name, never a path: nothing is loaded
-            raise model_not_found(body.model, self.model_name)
         (await self._request_limits()).check_user(body.user)
         try:
             request = body.to_generate(rid)
@@ -176,12 +179,17 @@ class OpenAIIngress:
 
     async def _prepare(self, request: Union[GenerateRequest, dict]) -> PreparedRequest:
         """The one request path: every request, HTTP or handle, becomes a PreparedRequest here."""
-        return prepare(self.tokenizer, request, await self._request_limits())
+        limits = await self._request_limits()
+        return prepare(self.tokenizer, request, limits, (await self._registry()).resolve)
+
+    def _llm(self, request: PreparedRequest, stream: bool = False) -> DeploymentHandle:
+        """With its adapter as Serve's multiplexed model id: routers prefer the replicas holding it."""
+        return lora_routes.for_adapter(self.llm_stream if stream else self.llm, request.lora_name)
 
     async def _stream_response(self, request: PreparedRequest, events,
                                log: request_log.RequestLogEntry) -> StreamingResponse:
         """Waits for the first chunk before answering, so errors keep their status code."""
-        gen = self.llm_stream.stream.remote(request)
+        gen = self._llm(request, stream=True).stream.remote(request)
         try:
             first = await gen.__anext__()
         except asyncio.CancelledError:
@@ -199,7 +207,7 @@ class OpenAIIngress:
         (the replica then aborts the request and frees its KV blocks)."""
         finished, output, last, generated = False, [], first, {}
 
-        def sse(chunk: GenerateChunk) -> str:
+        def event(chunk: GenerateChunk) -> str:
             nonlocal last
             if chunk.index == 0:  # the router learns one answer: choice 0's
                 output.extend(chunk.token_ids)
@@ -207,9 +215,9 @@ class OpenAIIngress:
             return events(chunk)
 
         try:
-            yield sse(first)
+            yield event(first)
             async for chunk in gen:
-                yield sse(chunk)
+                yield event(chunk)
             finished = True
             feedback.record_answer(self.llm, request.request_id, request.prompt_token_ids, output)
             log.write(200, last.model_copy(update={"completion_tokens": sum(generated.values())}))
@@ -226,7 +234,8 @@ class OpenAIIngress:
 
     def _chat_events(self, body: ChatCompletionRequest, rid: str, created: int):
         def make(choices, usage=None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+            return ChatCompletionChunk(id=rid, created=created, model=body.model or self.model_name, choices=choices,
+                                       usage=usage)
         return chat_events(body, ChatOutput(body, self.config.tool_call_parser), make)
 
     def _completion_events(self, body: CompletionRequest, rid: str, created: int):
@@ -236,12 +245,13 @@ class OpenAIIngress:
             offset = offsets.get(chunk.index, 0)
             lps = CompletionLogprobs.of(chunk.logprobs, offset) if chunk.logprobs else None
             offsets[chunk.index] = offset + len(chunk.text)
-            out = _sse(TextCompletion(id=rid, created=created, model=self.model_name,
+            out = sse(TextCompletion(id=rid, created=created, model=body.model or self.model_name,
                                       choices=[CompletionChoice(index=chunk.index, text=chunk.text, logprobs=lps,
                                                                 finish_reason=chunk.finish_reason)]))
             total = usage.add(chunk)
             if total is not None and body.include_usage:
-                out += _sse(TextCompletion(id=rid, created=created, model=self.model_name, choices=[], usage=total))
+                out += sse(TextCompletion(id=rid, created=created, model=body.model or self.model_name, choices=[],
+                                           usage=total))
             return out
         return events
 
@@ -252,13 +262,23 @@ class OpenAIIngress:
     async def _model_info(self) -> ModelInfo:
         return self._info or await self._fetch_model_info()
 
+    async def _replica_info(self) -> ModelInfo:
+        """The replicas' model info (asked once); failing, the client's APIError."""
+        try:
+            return await self._model_info()
+        except Exception as e:
+            raise self._api_error(e) from None
+
+    async def _registry(self) -> AdapterRegistry:
+        """The adapter names, from the replicas' engine config (asked once, on first need)."""
+        if self._adapters is None:
+            self._adapters = AdapterRegistry(self.model_name, (await self._replica_info()).lora_config)
+        return self._adapters
+
     async def _request_limits(self) -> RequestLimits:
         """The limits, sized from the replicas' context window (asked once, on first need)."""
         if self._limits is None:
-            try:
-                info = await self._model_info()
-            except Exception as e:
-                raise self._api_error(e) from None
+            info = await self._replica_info()
             self._limits = RequestLimits(self.config.limits, info.max_model_len, len(self.tokenizer))
         return self._limits
 

@@ -33,7 +33,14 @@ class LLMServer:
         from batcher import AsyncLLMEngine, EngineConfig  # torch loads here, not in the ingress
 
         # The engine sets torch's thread count from the config (Ray gives 0-CPU actors 1 thread).
-        self.engine = AsyncLLMEngine(EngineConfig.model_validate(engine_config))
+        config = EngineConfig.model_validate(engine_config)
+        self.engine = AsyncLLMEngine(config)
+        self.lora_config = config.lora.model_dump() if config.lora is not None else None
+        # Serve's multiplexing: the adapters this replica served lately, reported to the controller so
+        # every router (Serve's own too) prefers this replica for them. Bookkeeping only, as long as
+        # the engine's LRU: the engine alone loads and evicts (docs/lora.md).
+        self._adapter_seen = serve.multiplexed(max_num_models_per_replica=config.lora.memory_slots)(
+            _adapter_seen()) if config.lora is not None else None
         self.tokenizer = self.engine.tokenizer
         self.model_name = served_model_name
         stream = StreamConfig.model_validate(stream_config or {})
@@ -61,7 +68,8 @@ class LLMServer:
         choices' chunks interleave (GenerateChunk.index); the stream ends after each has finished."""
         _check_prepared(request)
         timer, reason, generated = metrics.RequestTimer(), "abort", {}  # "abort": the caller went away
-        deltas = self.engine.stream(request.prompt_token_ids, request.params, request.request_id, request.cache_salt)
+        deltas = self.engine.stream(request.prompt_token_ids, request.params, request.request_id, request.cache_salt,
+                                    request.lora_name, request.lora_path)
         open_choices = set(range(request.params.n))
 
         def is_last(d) -> bool:  # called once per delta, in order
@@ -72,11 +80,13 @@ class LLMServer:
         self.open_streams += 1
         try:
             async for batch in coalesce(deltas, self._chunk_interval, is_last=is_last):
+                if not generated:
+                    await self._saw_adapter(request.lora_name)
                 for chunk in self._chunks(batch):
                     timer.saw(len(chunk.token_ids))
                     reason, generated[chunk.index] = chunk.finish_reason or reason, chunk.completion_tokens
                     yield chunk
-        except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
+        except _ENGINE_ERRORS as e:
             reason = None  # an error, counted where it is answered (the ingress)
             raise engine_error(e, request.prompt_param) from None
         finally:
@@ -90,10 +100,12 @@ class LLMServer:
         timer, deltas = metrics.RequestTimer(), []
         try:
             async for d in self.engine.stream(request.prompt_token_ids, request.params, request.request_id,
-                                              request.cache_salt):
+                                              request.cache_salt, request.lora_name, request.lora_path):
+                if not deltas:
+                    await self._saw_adapter(request.lora_name)
                 timer.saw(len(d.token_ids))  # the deltas, unlike engine.generate, time the first token
                 deltas.append(d)
-        except (ValueError, RuntimeError) as e:  # engine errors are ValueError / RuntimeError
+        except _ENGINE_ERRORS as e:
             raise engine_error(e, request.prompt_param) from None
         except asyncio.CancelledError:  # the caller went away: the engine request is aborted
             self.metrics.finish(timer, "abort", sum(len(d.token_ids) for d in deltas))
@@ -109,7 +121,22 @@ class LLMServer:
         )
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(model_name=self.model_name, max_model_len=self.max_request_tokens, simulation=self.simulation)
+        return ModelInfo(model_name=self.model_name, max_model_len=self.max_request_tokens, simulation=self.simulation,
+                         replica_id=self.replica_id, loras=self.engine.lora_names(), lora_config=self.lora_config)
+
+    async def load_lora(self, name: str, path: str) -> dict:
+        """Reads and checks adapter `name` at `path` and holds it (the ingress's /v1/load_lora_adapter).
+        A bad adapter is a 400 APIError naming the problem; this replica serves on."""
+        try:
+            info = await self.engine.load_lora(name, path)
+        except _ENGINE_ERRORS as e:
+            raise engine_error(e, "lora_path") from None
+        await self._saw_adapter(name)
+        return info
+
+    async def unload_lora(self, name: str) -> bool:
+        """Drops adapter `name` (requests using it finish first); False where this replica did not know it."""
+        return await self.engine.unload_lora(name)
 
     def stats(self) -> dict:
         """Engine counters of this replica (tests and operators: KV blocks, aborts, ...) and the
@@ -142,7 +169,7 @@ class LLMServer:
                 "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
                 "queued_prefill_tokens": s.queued_prefill_tokens, "context_tokens": s.context_tokens,
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "request_ids": held,
-                "step_fit": self.step_meter.fit()}
+                "step_fit": self.step_meter.fit(), "loras": dict(s.resident_loras)}
 
     def record_autoscaling_stats(self) -> Dict[str, float]:
         """Custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id] in a policy)."""
@@ -161,6 +188,12 @@ class LLMServer:
             engine.shutdown()
 
     # ---- helpers -------------------------------------------------------------------------------
+
+    async def _saw_adapter(self, lora_name: Optional[str]) -> None:
+        """Counts as a use of `lora_name` in Serve's multiplexing LRU (once the engine took the request,
+        so a name no replica can load is never reported)."""
+        if lora_name is not None and self._adapter_seen is not None:
+            await self._adapter_seen(lora_name)
 
     def _chunk_interval(self) -> float:
         """Seconds a stream holds deltas before sending a chunk: the configured window, stretched
@@ -197,6 +230,19 @@ class LLMServer:
                                        for t, v in lp.top_logprobs.items()])
             for lp in lps
         ]
+
+
+# Engine errors are ValueError / RuntimeError, and LookupError for an adapter no one can find.
+_ENGINE_ERRORS = (ValueError, RuntimeError, LookupError)
+
+
+def _adapter_seen():
+    """Serve's multiplexed "model" loader, one per replica (Serve keeps its LRU on the function): the
+    adapter's name alone. The engine holds the weights, so Serve's LRU dropping a name only stops
+    reporting it (nothing to free: no __del__)."""
+    async def adapter_seen(lora_name: str) -> str:
+        return lora_name
+    return adapter_seen
 
 
 def _check_prepared(request) -> None:

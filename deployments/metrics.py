@@ -86,9 +86,21 @@ SPECS = (
 )
 SPEC = {s.name: s for s in SPECS}
 
+# Per LoRA adapter (label `adapter`), from EngineStats.lora_counters: exported by replicas that serve
+# adapters only, so apart from SPECS (whose series every replica exports).
+LORA_COUNTERS = {"requests": "Requests that used the adapter", "prompt_tokens": "Prompt tokens of its requests",
+                 "generated_tokens": "Output tokens generated with it", "loads": "Times a replica read it into memory",
+                 "evictions": "Times a replica dropped it from memory (LRU)"}
+LORA_SPECS = tuple(MetricSpec(f"iterserve_lora_{key}", "counter", f"LoRA adapters: {text}", labels=("adapter",))
+                   for key, text in LORA_COUNTERS.items())
+
 
 def exported_names() -> set:
     return {n for s in SPECS for n in s.exported()}
+
+
+def lora_exported_names() -> set:
+    return {n for s in LORA_SPECS for n in s.exported()}
 
 
 def replica_tags() -> Optional[Dict[str, str]]:
@@ -133,6 +145,8 @@ class ReplicaMetrics:
         self._m = {s.name: _make(s, tags) for s in SPECS if s.name != "iterserve_errors"}
         self._engine_specs = [s for s in SPECS if s.engine_field]
         self._copied: Dict[str, float] = {s.name: 0 for s in self._engine_specs if s.kind == "counter"}
+        self._lora = {key: _make(spec, tags) for key, spec in zip(LORA_COUNTERS, LORA_SPECS)}
+        self._lora_copied: Dict[Tuple[str, str], int] = {}  # (adapter, counter) -> value copied
 
     def finish(self, timer: RequestTimer, finish_reason: str, num_output_tokens: int) -> None:
         """Records a request that ended: TTFT if it got a token; e2e and TPOT unless aborted."""
@@ -156,6 +170,12 @@ class ReplicaMetrics:
             elif value > self._copied[spec.name]:
                 self._m[spec.name].inc(value - self._copied[spec.name])
                 self._copied[spec.name] = value
+        for adapter, counts in stats.lora_counters.items():
+            for key, counter in self._lora.items():
+                value, done = counts.get(key, 0), self._lora_copied.get((adapter, key), 0)
+                if value > done:
+                    counter.inc(value - done, tags={"adapter": adapter})
+                    self._lora_copied[adapter, key] = value
 
     async def refresh_forever(self, stats: Callable[[], EngineStats], period_s: float = REFRESH_S) -> None:
         """The replica's background task (cancelled with the replica's event loop)."""

@@ -78,7 +78,7 @@ class _Request(BaseModel):
     structured_outputs: Optional[StructuredOutputs] = None  # extension (vLLM's): json, regex, choice, grammar
 
     def _generate_fields(self) -> dict:
-        names = ("n", "temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "presence_penalty",
+        names = ("model", "n", "temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "presence_penalty",
                  "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens")
         fields = {k: getattr(self, k) for k in names} | {"structured_outputs": self._constraint()}
         return {k: v for k, v in fields.items() if v is not None} | {"ignore_eos": self.ignore_eos}
@@ -289,6 +289,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "iterserve"
+    root: Optional[str] = None  # vLLM's: the base model's name for the base, the adapter's for an adapter
+    parent: Optional[str] = None  # a LoRA adapter's base model (None: the base itself)
     max_model_len: Optional[int] = None
     simulation: Optional[str] = None  # present only on simulated replicas: never a real model
 

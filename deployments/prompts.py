@@ -7,10 +7,11 @@ same ids as the offline engine.
 from __future__ import annotations
 
 import uuid
-from typing import List, Union
+from typing import Callable, List, Optional, Union
 
 import pydantic
 
+from deployments.adapters import BASE, ResolvedModel
 from deployments.errors import APIError, engine_error
 from deployments.limits import RequestLimits
 from deployments.protocol import GenerateRequest, PreparedRequest
@@ -33,19 +34,24 @@ def prompt_token_ids(tokenizer, request: GenerateRequest) -> List[int]:
     return list(request.prompt)
 
 
-def prepare(tokenizer, request: Union[GenerateRequest, dict], limits: RequestLimits) -> PreparedRequest:
+def prepare(tokenizer, request: Union[GenerateRequest, dict], limits: RequestLimits,
+            resolve: Optional[Callable[[Optional[str]], ResolvedModel]] = None) -> PreparedRequest:
     """Validates a request (sizes before tokenizing, token ids after), gives it an id, its prompt's
-    token ids and max_tokens (None: the rest of the context window). Errors are 400 APIErrors."""
+    token ids and max_tokens (None: the rest of the context window), and its `model` resolved to a
+    LoRA adapter by `resolve` (AdapterRegistry.resolve; None: only the base). Errors are APIErrors:
+    400, or 404 for a model that is not served."""
     try:
         if not isinstance(request, GenerateRequest):
             request = GenerateRequest.model_validate(request)
+        lora = resolve(request.model) if resolve is not None else BASE
         limits.check_request(request)
         ids = prompt_token_ids(tokenizer, request)
         limits.check_tokens(request.prompt_param, ids)
         max_tokens = request.max_tokens or max(1, limits.max_model_len - len(ids))
         return PreparedRequest(request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
                                params=request.sampling_params(max_tokens), cache_salt=request.cache_salt,
-                               prompt_param=request.prompt_param)
+                               prompt_param=request.prompt_param, lora_name=lora.lora_name,
+                               lora_path=lora.lora_path)
     except pydantic.ValidationError as e:
         raise engine_error(e) from None
     except APIError:

@@ -55,6 +55,9 @@ class GenerateRequest(SamplingParams):
         None, description="'none', 'auto' (default with tools), 'required' or a named function: the last two "
         "constrain the output to the functions' JSON schemas (deployments.tool_calls.constraint_schema).")
     parallel_tool_calls: bool = True
+    model: Optional[str] = Field(
+        None, description="The served model's name (None: it), a LoRA adapter's name, or `base:adapter` "
+        "(Ray Serve LLM's form); deployments.adapters.AdapterRegistry resolves it.")
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
@@ -89,13 +92,17 @@ class GenerateRequest(SamplingParams):
 class PreparedRequest:
     """What LLM replicas accept, made once per request by the ingress (deployments.prompts.prepare):
     the prompt with the chat template applied, as token ids, and max_tokens resolved. The request
-    router reads `prompt_token_ids`, `max_tokens`, `request_id` and `cache_salt` from it."""
+    router reads `prompt_token_ids`, `max_tokens`, `request_id`, `cache_salt` and `lora_name` from it.
+    `lora_name`: the LoRA adapter (None: the base model); `lora_path`: where the ingress knows it is, so
+    whichever replica gets the request can load it (None: the replica's own config finds it)."""
 
     request_id: str
     prompt_token_ids: List[int]
     params: SamplingParams
     cache_salt: Optional[str] = None
     prompt_param: str = "prompt"  # "prompt" | "messages": where the client put the input
+    lora_name: Optional[str] = None
+    lora_path: Optional[str] = None
 
     @property
     def max_tokens(self) -> int:
@@ -154,3 +161,6 @@ class ModelInfo(BaseModel):
     model_name: str
     max_model_len: int
     simulation: Optional[str] = None  # set on simulated replicas: what they simulate
+    replica_id: Optional[str] = None
+    loras: List[str] = Field(default_factory=list)  # adapters this replica knows (configured or in memory)
+    lora_config: Optional[dict] = None  # the engine's `lora` section (None: no adapters)

@@ -36,6 +36,11 @@ class LLMRouterConfig(BaseModel):
         "decides; 1.2: the holder wins up to 1.2x the best replica's wait). Waits are estimates from reports "
         "up to a period old: without a margin, near-ties swap conversations between replicas, each swap a "
         "recomputed conversation.")
+    adapter_load_s: float = Field(
+        0.5, ge=0.0, description="Seconds a replica takes to load a LoRA adapter it does not hold (read, check, "
+        "copy into a slot): a request naming an adapter goes to a replica that lacks it only when that "
+        "replica's expected seconds plus this beat every holder's (a hot adapter spreads). Among replicas "
+        "that lack it, one holding many adapters costs up to half of this more (an eviction).")
     default_output_tokens: int = Field(
         128, ge=1, description="Expected answer length until answers have been seen (capped by max_tokens).")
     max_tracked_requests: int = Field(

@@ -34,12 +34,13 @@ MAX_COMPLETED = 4096  # per replica: completions its latest report may still cou
 @dataclass(frozen=True)
 class HashedRequest:
     """What the decision needs of a request: its id, its prompt's block hashes (chained from `root`:
-    the model and the request's cache salt), its sizes."""
+    the model, the request's cache salt and LoRA adapter), its sizes, its adapter (None: the base)."""
 
     request_id: Optional[str]
     root: BlockHash
     hashes: List[BlockHash]
     sizes: RoutingRequest
+    adapter: Optional[str] = None
 
 
 @dataclass

@@ -30,8 +30,8 @@ from router.config import LLMRouterConfig
 from router.cost_model import FleetStepTimes, coefficients, learned_step
 from router.index import PrefixIndex
 from router.ledger import HashedRequest, RequestLedger
-from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, RoutingRequest, fleet_loads, own_load,
-                            prefill_rate, replica_load, score_replicas, stale_rows)
+from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, RoutingRequest, adapter_costs, fleet_loads,
+                            own_load, prefill_rate, replica_load, score_replicas, stale_rows)
 
 _TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
 _NO_LOAD = (-math.inf, 0.0, 0.0, 0.0, math.nan)  # a load row that is never fresh
@@ -52,6 +52,8 @@ class LLMRouter(RequestRouter):
         self._rows: Dict[str, tuple] = {}  # replica -> (stats dict, ledger version, row, step coefficients)
         self._mean_output_tokens: Optional[float] = None
         self._fleet_peaks: Deque[Tuple[float, float]] = deque()  # (time, fleet sequences), decreasing
+        self._lora_ids: Dict[str, str] = {}  # LoRA adapter -> the cache id replicas report for it
+        self._adapter_sent: Dict[str, Dict[str, float]] = {}  # adapter -> replica -> last sent there
         # The loop Serve routes on (seen by choose_replicas): answers reported from other threads are
         # applied there. Serve's own reference (RequestRouter._event_loop) is private.
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -71,9 +73,11 @@ class LLMRouter(RequestRouter):
         self._loop = asyncio.get_running_loop()
         key = pending_request.metadata.internal_request_id
         # Serve asks again for the same request (backoff, a rejection): hashed once, counted once.
-        request = self.ledger.take_back(key) or self.prepare(pending_request.args[0])
+        request = self.ledger.take_back(key) or self.prepare(
+            pending_request.args[0], getattr(pending_request.metadata, "multiplexed_model_id", None))
         ranking = self.score(candidate_replicas, request)
         best = ranking[0]
+        self._sent_adapter(request, best.replica)
         # Counted on its first choice, its prefix claimed there, from now on: a burst is routed by
         # concurrent tasks before Serve confirms any (on_request_routed), and each must see the ones
         # before it. The claim becomes cached blocks only where Serve confirms the request.
@@ -81,19 +85,26 @@ class LLMRouter(RequestRouter):
         ranked = [candidate_replicas[i] for i in ranking.order]
         return [[r] for r in ranked[:_TOP_RANKS]] + ([ranked[_TOP_RANKS:]] if len(ranked) > _TOP_RANKS else [])
 
-    def prepare(self, request) -> HashedRequest:
+    def prepare(self, request, multiplexed_model_id: Optional[str] = None) -> HashedRequest:
         """What the decision needs of the ingress's PreparedRequest: `prompt_token_ids`, `max_tokens`,
-        `request_id`, `cache_salt`, read by duck typing (a call without them routes as no prefix, the
-        default length). Hashed from the replicas' root: the engine's model and the request's salt."""
+        `request_id`, `cache_salt`, `lora_name`, read by duck typing (a call without them routes as no
+        prefix, the default length, the adapter Serve's multiplexed model id names). Hashed from the
+        replicas' root: the engine's model, the request's salt and its adapter's cache id (as replicas
+        report it; the name until one does: a hint either way)."""
         ids = getattr(request, "prompt_token_ids", None) or []
         salt = getattr(request, "cache_salt", None)
-        root = self._root if salt is None else root_hash(self.config.model, salt)
+        adapter = getattr(request, "lora_name", None) or multiplexed_model_id or None
+        if adapter is not None:
+            root = root_hash(self.config.model, salt, adapter=self._lora_ids.get(adapter, adapter))
+        else:
+            root = self._root if salt is None else root_hash(self.config.model, salt)
         expected = self._mean_output_tokens or self.config.default_output_tokens
         max_tokens = getattr(request, "max_tokens", None)
         out = min(max_tokens, expected) if max_tokens else expected
         return HashedRequest(getattr(request, "request_id", None), root,
                              cacheable_block_hashes(ids, self.shape.block_size, root),
-                             RoutingRequest(prompt_tokens=max(1, len(ids)), output_tokens=max(1, round(out))))
+                             RoutingRequest(prompt_tokens=max(1, len(ids)), output_tokens=max(1, round(out))),
+                             adapter)
 
     def score(self, candidates: Sequence[RunningReplica], request: HashedRequest,
               now: Optional[float] = None) -> Ranking:
@@ -115,7 +126,28 @@ class LLMRouter(RequestRouter):
         return score_replicas(steps, self.shape, rids, loads, cached, request.sizes,
                               cfg.load_bound, cfg.affinity_margin, self._rng,
                               fleet_sequences=self._recent_peak(now, float(loads.batch.sum())),
-                              fleet_busy=float(fresh_busy.mean()) if len(fresh_busy) else 0.0)
+                              fleet_busy=float(fresh_busy.mean()) if len(fresh_busy) else 0.0,
+                              adapter_seconds=self._adapter_seconds(request.adapter, candidates, rids, now))
+
+    def _adapter_seconds(self, adapter: Optional[str], candidates: Sequence[RunningReplica], rids: List[str],
+                         now: float) -> Optional[np.ndarray]:
+        """The adapter first: replicas holding it (their reports, Serve's multiplexed model ids, or this
+        router sent it there within a report's age) load nothing; the others pay its load."""
+        if adapter is None:
+            return None
+        sent = self._adapter_sent.get(adapter, {})
+        holds, resident = np.zeros(len(rids), bool), np.zeros(len(rids))
+        for i, (rid, r) in enumerate(zip(rids, candidates)):
+            report = (self._reports.get(rid) or (None, None))[1]
+            loras = report.loras if report is not None else {}
+            resident[i] = len(loras)
+            holds[i] = (adapter in loras or adapter in getattr(r, "multiplexed_model_ids", ())
+                        or now - sent.get(rid, -math.inf) <= self.config.max_stats_age_s)
+        return adapter_costs(holds, resident, self.config.adapter_load_s)
+
+    def _sent_adapter(self, request: HashedRequest, rid: str) -> None:
+        if request.adapter is not None:
+            self._adapter_sent.setdefault(request.adapter, {})[rid] = time.time()
 
     def _cached_tokens(self, request: HashedRequest, matched_blocks: int) -> int:
         # Never the last token: the engine always computes it.
@@ -168,6 +200,7 @@ class LLMRouter(RequestRouter):
             return cached[1]
         report = Report.parse(stats)
         if report is not None:
+            self._lora_ids.update(report.loras)
             self.index.set_capacity(rid, report.kv_blocks_total)
             self.ledger.covered_until(rid, report.time_s)
         self._reports[rid] = (stats, report)
@@ -181,6 +214,8 @@ class LLMRouter(RequestRouter):
             self.ledger.forget(key)
             return
         request, cached = self.ledger.request(key), None
+        if request is not None:
+            self._sent_adapter(request, rid)
         if request is not None and self.ledger.replica_of(key) not in (None, rid):
             cached = self._cached_tokens(request, self.index.matched_blocks(request.hashes).get(rid, 0))
         self.ledger.routed(key, rid, cached, time.time())
@@ -234,3 +269,5 @@ class LLMRouter(RequestRouter):
         self.index.remove_replicas([rid])
         self._reports.pop(rid, None)
         self._rows.pop(rid, None)
+        for sent in self._adapter_sent.values():
+            sent.pop(rid, None)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -47,7 +47,8 @@ class EngineShape:
 class Report:
     """What a replica last reported (LLMServer.record_routing_stats), timestamped by the replica.
     `request_ids`: the requests it held then (waiting or running); None from a replica that does
-    not list them (then "counted in the report" is judged by time)."""
+    not list them (then "counted in the report" is judged by time). `loras`: the LoRA adapters it
+    holds in memory -> their cache ids (batcher.block_hash.adapter_cache_id)."""
 
     time_s: float
     waiting: int
@@ -57,14 +58,15 @@ class Report:
     kv_blocks_free: int
     kv_blocks_total: int
     request_ids: Optional[FrozenSet[str]] = None
+    loras: Dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, stats: Optional[dict]) -> Optional["Report"]:
         if not stats or "time_s" not in stats:
             return None
         ids = stats.get("request_ids")
-        fields = {f: stats.get(f, 0) for f in cls.__dataclass_fields__ if f != "request_ids"}
-        return cls(**fields, request_ids=None if ids is None else frozenset(ids))
+        fields = {f: stats.get(f, 0) for f in cls.__dataclass_fields__ if f not in ("request_ids", "loras")}
+        return cls(**fields, request_ids=None if ids is None else frozenset(ids), loras=dict(stats.get("loras") or {}))
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,7 @@ class Ranking(Sequence):
 def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loads: FleetLoads,
                    cached_tokens: np.ndarray, request: RoutingRequest, load_bound: float, affinity_margin: float,
                    rng: np.random.Generator, fleet_sequences: Optional[float] = None,
-                   fleet_busy: float = 0.0) -> Ranking:
+                   fleet_busy: float = 0.0, adapter_seconds: Optional[np.ndarray] = None) -> Ranking:
     """Every replica's score, best first: replicas with room in their KV cache first, then those
     within the load bound, then by expected seconds; ties (an idle fleet) broken at random.
 
@@ -256,9 +258,14 @@ def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loa
     ranks by the request's own seconds plus its prefill's cost to the others, busy / (1 - busy)
     times its prefill seconds (a queue's marginal cost, as in M/M/1). Idle, only its own seconds
     count; saturated, a recomputation costs up to 20 times itself, and sessions stay with their cache
-    unless their holder is far worse off (as everyone gains when less is recomputed)."""
+    unless their holder is far worse off (as everyone gains when less is recomputed).
+
+    `adapter_seconds`: what loading the request's LoRA adapter costs on each replica before its
+    prefill (0 where it is resident; router.llm_router.adapter_costs), added to its first token."""
     uncached = request.prompt_tokens - cached_tokens
     first, seconds = expected_seconds(step, shape, loads, uncached, request)
+    if adapter_seconds is not None:
+        first, seconds = first + adapter_seconds, seconds + adapter_seconds
     kv_full = loads.kv_free < np.ceil((uncached + 1) / shape.block_size)  # NaN (unknown): never full
     total = loads.batch.sum() if fleet_sequences is None else fleet_sequences
     mean = (total + 1) / max(1, len(replicas))
@@ -273,3 +280,10 @@ def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loa
         key = np.where(holders & (first <= others_first), key / affinity_margin, key)
     order = np.lexsort((rng.random(len(replicas)), key, over_bound, kv_full))
     return Ranking(replicas, seconds, kv_full, over_bound, cached_tokens, order)
+
+
+def adapter_costs(holds: np.ndarray, resident: np.ndarray, load_s: float) -> np.ndarray:
+    """Seconds loading a request's LoRA adapter adds on each replica: none where it is held (`holds`),
+    else `load_s`, plus up to half of it on replicas holding more adapters (`resident`: their counts),
+    where loading one likely evicts another that its users will then reload."""
+    return np.where(holds, 0.0, load_s * (1.0 + 0.5 * resident / (1.0 + resident.max(initial=0))))

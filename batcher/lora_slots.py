@@ -1,0 +1,54 @@
+"""Which adapter sits in which of the batch's `max_loras` weight slots: bookkeeping only (the
+scheduler's), the weights are copied by the engine (LoRAModel.load_slot) for the slots `take_loads`
+names. A slot is held while a running sequence uses its adapter; an unheld slot keeps its adapter
+(a later request reuses it for free) until another adapter needs the room, least recently used first.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import List, Optional, Tuple
+
+
+class LoRASlots:
+    def __init__(self, num_slots: int):
+        self.names: List[Optional[str]] = [None] * num_slots
+        self.holders = [0] * num_slots  # running sequences using each slot
+        self._last_used = [0] * num_slots
+        self._clock = itertools.count(1)
+        self._loads: List[Tuple[int, str]] = []
+
+    def slot_of(self, name: Optional[str]) -> int:
+        """The slot holding `name`; -1 for the base model (None) or an adapter not in a slot."""
+        return self.names.index(name) if name is not None and name in self.names else -1
+
+    def can_acquire(self, name: Optional[str]) -> bool:
+        return name is None or name in self.names or 0 in self.holders
+
+    def acquire(self, name: Optional[str]) -> None:
+        """Holds a slot for one more running sequence of `name` (can_acquire must be true)."""
+        if name is None:
+            return
+        slot = self.slot_of(name)
+        if slot < 0:  # the least recently used unheld slot (empty ones first)
+            slot = min((i for i, h in enumerate(self.holders) if h == 0), key=lambda i: self._last_used[i])
+            self.names[slot] = name
+            self._loads.append((slot, name))
+        self.holders[slot] += 1
+        self._last_used[slot] = next(self._clock)
+
+    def release(self, name: Optional[str]) -> None:
+        slot = self.slot_of(name)
+        if slot >= 0:
+            self.holders[slot] -= 1
+
+    def drop(self, name: str) -> None:
+        """Forgets `name`'s slot if no sequence holds it (its adapter was unloaded or replaced)."""
+        slot = self.slot_of(name)
+        if slot >= 0 and self.holders[slot] == 0:
+            self.names[slot] = None
+            self._last_used[slot] = 0
+
+    def take_loads(self) -> List[Tuple[int, str]]:
+        """(slot, adapter) pairs assigned since the last call, whose weights must be copied in."""
+        loads, self._loads = self._loads, []
+        return loads
