@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing bench-forward bench-structured soak clean
+.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing bench-forward bench-structured bench-lora soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ bench-serving: model
 # What structured outputs cost a batch: 0%, 20%, 100% of requests constrained (docs/structured_outputs.md).
 bench-structured: model
 	$(BIN)/python -m load_tests.structured_bench
+
+# Multi-LoRA: a batch's step with 8 adapters vs the base; a multiplexed fleet vs one deployment per adapter.
+bench-lora: model
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m load_tests.lora_step_bench
+	$(BIN)/python -m load_tests.lora_fleet_bench
 
 bench-routing: model
 	$(BIN)/pip install -q -e '.[bench]'

@@ -260,7 +260,7 @@ class LLMEngine:
                 self.constrained.remove(choice.seq)
         self.sampler.forget(request.seq.request_id)
         if request.adapter is not None:
-            self.lora.finished(request.adapter.name)
+            self.lora.finished(request.adapter)
             self.lora.generated(request.adapter.name, sum(c.seq.num_output_tokens for c in request.choices))
         del self.requests[request.seq.request_id]
         self.counters.finished_requests += reason not in ("abort", "error")

@@ -33,7 +33,7 @@ class LoRARuntime:
         self.paths: Dict[str, str] = {check_name(n): p for n, p in config.adapters.items()}  # static, then registered
         self.store = AdapterStore(config.memory_slots)
         self.slots = LoRASlots(config.max_loras)
-        self._live: Dict[str, List] = {}  # adapter -> [LoRAAdapter, requests in flight]  (engine thread)
+        self._live: Dict[str, List] = {}  # cache id -> [LoRAAdapter, requests in flight]  (engine thread)
         self._counts: Dict[str, Dict[str, int]] = {}
         self._lock = threading.Lock()  # one load per name at a time
         self._loading: Dict[str, threading.Lock] = {}
@@ -60,10 +60,6 @@ class LoRARuntime:
             adapter = LoRAAdapter(name, path, 0, "sim", {})
         else:
             adapter = read_adapter(name, _local(path, name), self.targets, self.config.max_lora_rank)
-        live = self._live.get(name)  # one adapter per name in the batch's slots
-        if live is not None and live[0].digest != adapter.digest:
-            raise InvalidRequestError(f"LoRA adapter {name!r}: requests in flight use its current weights; load "
-                                      "the new ones under another name, or once those finish", PARAM)
         with self._lock:
             self.paths[name] = path
         self.store.put(adapter)
@@ -97,19 +93,20 @@ class LoRARuntime:
 
     # -- requests in flight (engine thread) --------------------------------------------------------
     def added(self, adapter: LoRAAdapter, prompt_tokens: int) -> None:
-        self._live.setdefault(adapter.name, [adapter, 0])[1] += 1
+        self._live.setdefault(self.cache_id(adapter), [adapter, 0])[1] += 1
         self.store.pin(adapter.name, 1)
         self._count(adapter.name, "requests")
         self._count(adapter.name, "prompt_tokens", prompt_tokens)
 
-    def finished(self, name: str) -> None:
-        entry = self._live.get(name)
+    def finished(self, adapter: LoRAAdapter) -> None:
+        key = self.cache_id(adapter)
+        entry = self._live.get(key)
         if entry is None:
             return
         entry[1] -= 1
-        self.store.pin(name, -1)
+        self.store.pin(adapter.name, -1)
         if entry[1] == 0:
-            del self._live[name]
+            del self._live[key]
 
     def generated(self, name: Optional[str], tokens: int = 1) -> None:
         if name is not None:
@@ -117,10 +114,10 @@ class LoRARuntime:
 
     def step_slots(self, scheduled: List[ScheduledSeq]) -> Optional[List[int]]:
         """Each scheduled sequence's slot (-1: base), after copying in adapters newly given a slot."""
-        for slot, name in self.slots.take_loads():
+        for slot, key in self.slots.take_loads():
             if self.model is not None:
-                self.model.load_slot(slot, self._live[name][0])
-        slots = [self.slots.slot_of(s.seq.lora_name) for s in scheduled]
+                self.model.load_slot(slot, self._live[key][0])
+        slots = [self.slots.slot_of(s.seq.lora_id) for s in scheduled]
         return slots if any(s >= 0 for s in slots) else None
 
     def cache_id(self, adapter: LoRAAdapter) -> str:

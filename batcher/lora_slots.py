@@ -1,4 +1,5 @@
-"""Which adapter sits in which of the batch's `max_loras` weight slots: bookkeeping only (the
+"""Which adapter sits in which of the batch's `max_loras` weight slots, by its cache id (name and
+weights digest: an adapter reloaded with other weights takes a slot of its own): bookkeeping only (the
 scheduler's), the weights are copied by the engine (LoRAModel.load_slot) for the slots `take_loads`
 names. A slot is held while a running sequence uses its adapter; an unheld slot keeps its adapter
 (a later request reuses it for free) until another adapter needs the room, least recently used first.
@@ -40,13 +41,6 @@ class LoRASlots:
         slot = self.slot_of(name)
         if slot >= 0:
             self.holders[slot] -= 1
-
-    def drop(self, name: str) -> None:
-        """Forgets `name`'s slot if no sequence holds it (its adapter was unloaded or replaced)."""
-        slot = self.slot_of(name)
-        if slot >= 0 and self.holders[slot] == 0:
-            self.names[slot] = None
-            self._last_used[slot] = 0
 
     def take_loads(self) -> List[Tuple[int, str]]:
         """(slot, adapter) pairs assigned since the last call, whose weights must be copied in."""

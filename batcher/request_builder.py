@@ -54,8 +54,9 @@ class RequestBuilder:
             if needed > limit:
                 raise RequestTooLongError(name, needed, limit, f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
         adapter = self._adapter(lora_name, lora_path)
-        root = root_hash(self.model_name, cache_salt, self._lora.cache_id(adapter) if adapter else None)
-        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, cache_root=root, lora_name=lora_name)
+        lora_id = self._lora.cache_id(adapter) if adapter else None
+        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, cache_root=root_hash(self.model_name, cache_salt, lora_id),
+                       lora_id=lora_id)
         grammar = self.compile(params.structured_outputs) if params.structured_outputs is not None else None
         return EngineRequest([self.choice(seq)], grammar, adapter)
 

@@ -101,7 +101,7 @@ class Scheduler:
             seq = self.waiting[0]
             if static and not self._batch_open and seq not in self._static_batch:
                 break  # only the running batch's preempted members may come back
-            if self.lora_slots is not None and not self.lora_slots.can_acquire(seq.lora_name):
+            if self.lora_slots is not None and not self.lora_slots.can_acquire(seq.lora_id):
                 skipped.append(self.waiting.popleft())
                 continue
             cached = bm.match_prefix(seq)
@@ -122,7 +122,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         if self.lora_slots is not None:
-            self.lora_slots.acquire(seq.lora_name)
+            self.lora_slots.acquire(seq.lora_id)
         if self.static_batch_size is not None:
             self._static_batch.add(seq)
 
@@ -154,7 +154,7 @@ class Scheduler:
         """Recompute preemption: drop the KV, go back to the head of the queue."""
         self.block_manager.free(seq)
         if self.lora_slots is not None:
-            self.lora_slots.release(seq.lora_name)
+            self.lora_slots.release(seq.lora_id)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -171,7 +171,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             if self.lora_slots is not None:
-                self.lora_slots.release(seq.lora_name)
+                self.lora_slots.release(seq.lora_id)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         else:

@@ -32,7 +32,9 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
     index: int = 0  # which of the request's `params.n` choices this sequence generates
-    lora_name: Optional[str] = None  # the LoRA adapter it runs with (None: the base model)
+    # The LoRA adapter it runs with, as its cache id (name and weights digest: two versions of one
+    # name are two adapters to the slots); None: the base model.
+    lora_id: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -66,4 +68,4 @@ class Sequence:
         gives it this sequence's blocks, or queues it), what the client is told was cached."""
         return Sequence(self.request_id, self.prompt_token_ids, self.params, token_ids=list(self.token_ids),
                         cache_root=self.cache_root, num_cached_tokens=self.num_cached_tokens, index=index,
-                        lora_name=self.lora_name)
+                        lora_id=self.lora_id)

@@ -107,7 +107,7 @@ def test_scarce_slots_and_preemption_keep_every_output(adapters):
     while tight.has_unfinished():
         tight.step()
         assert len({n for n in tight.lora.slots.names if n is not None}) <= 1
-        running = {s.lora_name for s in tight.scheduler.running} - {None}
+        running = {s.lora_id for s in tight.scheduler.running} - {None}
         assert len(running) <= 1  # never two adapters in one batch with one slot
     assert tight.scheduler.num_preemptions > 0
     for n, p, r in zip(names, prompts, requests):
@@ -189,3 +189,30 @@ def test_memory_is_lru_and_never_evicts_an_adapter_in_use():
     store.get("z")
     store.put(mk("w"))  # x is now the least recently used and unpinned
     assert set(store.resident()) == {"z", "w"}
+
+
+def test_concurrent_requests_for_a_cold_adapter_read_it_once(adapters):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", num_kv_blocks=128,
+                                    lora={"dynamic_lora_loading_path": str(Path(adapters["a"]).parent)}))
+    with ThreadPoolExecutor(8) as pool:
+        requests = list(pool.map(lambda i: engine.make_request([5, 6, 7 + i], GREEDY, lora_name="c"), range(8)))
+    assert {id(r.adapter) for r in requests} == {id(requests[0].adapter)}
+    assert engine.stats().lora_counters["c"]["loads"] == 1
+
+
+def test_an_adapter_reloaded_with_other_weights_is_served_with_them(adapters):
+    engine = engine_with({"a": adapters["a"]}, max_loras=2)
+    prompt = mixed_prompts(TINY, n_random=0)[0]
+
+    def run(name):
+        request = engine.make_request(prompt, GREEDY, lora_name=name)
+        engine.add(request)
+        while engine.has_unfinished():
+            engine.step()
+        return request.seq.output_token_ids
+
+    first = run("a")  # leaves a's weights in an unheld slot
+    engine.load_lora("a", adapters["b"])  # new weights under the same name
+    assert run("a") == merged_greedy(adapters["b"], prompt, 12) != first
