@@ -79,8 +79,7 @@ class EngineConfig(BaseModel):
         "free for the serving processes (HTTP, Serve's messages). None: num_threads for every step.")
     small_step_tokens: int = Field(8, ge=1, description="Largest step (in tokens) run on small_step_threads.")
     seed: int = 0
-    lora: Optional[LoRAConfig] = Field(None, description="Serve LoRA adapters of the model (None: the base only). "
-                                       "An engine with adapters runs its forward eagerly.")
+    lora: Optional[LoRAConfig] = Field(None, description="Serve LoRA adapters of the model (None: the base only).")
     grammar_compile_timeout_s: float = Field(
         10.0, gt=0, description="A structured output whose grammar takes longer to compile is refused (400); "
         "its compile finishes in the background and is cached for the next request.")

@@ -14,7 +14,8 @@ from batcher.config import EngineConfig
 from batcher.engine_request import EngineChoice, EngineRequest
 from batcher.errors import InvalidRequestError, StepError
 from batcher.grammar import ConstrainedRows
-from batcher.model_loader import context_length, load_model, load_tokenizer, resolve_device, resolve_dtype
+from batcher.model_loader import (context_length, eos_token_ids, load_model, load_tokenizer, resolve_device,
+                                  resolve_dtype)
 from batcher.model_runner import ModelRunner
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice
 from batcher.paged_attention import KVCache
@@ -46,7 +47,7 @@ class LLMEngine:
             model, self.tokenizer = load_model(config.model, self.dtype, self.device, config.seed,
                                                config.quantization)
             mcfg = model.config
-            self.eos_token_ids = _eos_ids(model, self.tokenizer)
+            self.eos_token_ids = eos_token_ids(model, self.tokenizer)
         # The engine thread detokenizes while callers encode: give it its own tokenizer object.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
         self.vocab_size = mcfg.vocab_size
@@ -66,7 +67,7 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(
                 model, num_blocks, config.block_size, self.dtype, self.device, config.attention_backend,
-                compile="off" if self.lora else config.compile, max_num_seqs=config.max_num_seqs,
+                compile=config.compile, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
                 thread_counts={self._threads, config.small_step_threads or self._threads},
                 lora=self.lora and self.lora.model,
@@ -317,10 +318,3 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(self.stats(), tuple(self.held_request_ids()), self.last_step_time)
 
-
-def _eos_ids(model, tokenizer) -> set:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if gen_eos is not None:
-        ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-    return ids

@@ -82,14 +82,17 @@ class LoRAModel:
         for name, layer in self.layers.items():
             layer.load(slot, adapter.weights.get(name) if adapter is not None else None)
 
-    def set_step(self, token_slots: Optional[List[int]]) -> None:
-        """Each token's slot (-1: base) for the next forward; None or all -1: no LoRA work at all."""
-        highest = max(token_slots, default=-1) if token_slots else -1
-        if highest < 0:
+    def set_step(self, token_slots: Optional[List[int]], rows: int, compiled: bool) -> None:
+        """Each token's slot (-1: base) for the next forward of `rows` rows (padding rows: base);
+        None: no adapter this step, no LoRA work at all. Eager steps use the columns of the slots up to
+        the highest in use; a compiled forward always sees every column (one graph, not one per width)."""
+        if token_slots is None:
             self.step.mask, self.step.columns = None, 0
             return
-        cols = (highest + 1) * self.rank
-        slots = torch.tensor(token_slots)
-        mask = self._slot_of_column[None, :cols] == slots[:, None]
-        self.step.mask = mask.to(device=self._device, dtype=self._dtype)
-        self.step.columns = cols
+        cols = self.slots * self.rank if compiled else (max(token_slots, default=-1) + 1) * self.rank
+        slots = torch.full((rows,), -1)
+        slots[:len(token_slots)] = torch.tensor(token_slots, dtype=torch.long)
+        mask = (self._slot_of_column[None, :cols] == slots[:, None]).to(device=self._device, dtype=self._dtype)
+        if compiled:
+            torch._dynamo.mark_dynamic(mask, 0)  # as the step's other token-sized inputs
+        self.step.mask, self.step.columns = mask, cols

@@ -209,5 +209,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def eos_token_ids(model, tokenizer) -> set:
+    """The tokenizer's EOS and the generation config's (a model may have several)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return ids
+
+
 if __name__ == "__main__":  # `python -m batcher.model_loader` prepares the embedded model.
     print(embedded_model_dir())
+

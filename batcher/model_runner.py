@@ -107,6 +107,8 @@ class ModelRunner:
                 rows = MIN_ROWS
                 while rows <= top:
                     self._run(num_tokens=0, num_seqs=0, num_samples=0, rows=rows)
+                    if self.lora is not None:  # the graph of steps with adapter tokens (a mask of zeros here)
+                        self._run(num_tokens=0, num_seqs=0, num_samples=0, rows=rows, token_slots=[])
                     rows *= 2
         finally:
             torch.set_num_threads(before)
@@ -139,15 +141,15 @@ class ModelRunner:
         np_["positions"][:T] = positions
         np_["slot_mapping"][:T] = slots
         np_["sample_index"][:S] = sample_index
-        if self.lora is not None:
-            self.lora.set_step(None if lora_slots is None else
-                               [slot for s, slot in zip(scheduled, lora_slots) for _ in range(s.num_new_tokens)])
-        logits = self._run(T, len(scheduled), S)
+        token_slots = None if lora_slots is None else [
+            slot for s, slot in zip(scheduled, lora_slots) for _ in range(s.num_new_tokens)]
+        logits = self._run(T, len(scheduled), S, token_slots=token_slots)
         return logits.float()
 
-    def _run(self, num_tokens: int, num_seqs: int, num_samples: int, rows: int = 0) -> torch.Tensor:
+    def _run(self, num_tokens: int, num_seqs: int, num_samples: int, rows: int = 0,
+             token_slots: Optional[List[int]] = None) -> torch.Tensor:
         """Pads the filled buffers to the forward's shapes (at least `rows` rows), runs it, returns the
-        real rows' logits."""
+        real rows' logits. token_slots: each token's LoRA slot (-1: base), None when none has one."""
         buf, np_ = self.buffers, self.buffers.np
         compiled = self.forward.mode != "eager"
         graphs = self.forward.cuda_graphs
@@ -171,5 +173,7 @@ class ModelRunner:
             context_lens=d["context_lens"][:seqs], block_tables=d["block_tables"][:seqs, :width],
             backend=self.attention_backend,
         )
+        if self.lora is not None:
+            self.lora.set_step(token_slots, T, compiled)
         logits = self.forward(d["input_ids"][:T], d["positions"][:T], d["sample_index"][:S], meta)
         return logits[:num_samples]
