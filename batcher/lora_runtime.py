@@ -42,14 +42,19 @@ class LoRARuntime:
     def resolve(self, name: str, path: Optional[str] = None) -> LoRAAdapter:
         """The adapter `name` in memory, loaded first if needed from `path`, the static list, or the
         dynamic loading path. LoRANotFoundError when it is in none of them."""
-        adapter = self.store.get(name)
-        if adapter is not None and (path is None or path == adapter.path or self.targets is None):
+        def held():  # in memory, and from `path` when the request names one (simulated: any path)
+            adapter = self.store.get(name)
+            fits = adapter is not None and (path in (None, adapter.path) or self.targets is None)
+            return adapter if fits else None
+
+        adapter = held()
+        if adapter is not None:
             return adapter
         with self._lock:
             lock = self._loading.setdefault(name, threading.Lock())
         with lock:  # concurrent requests for one cold adapter read it once
-            adapter = self.store.get(name)
-            if adapter is not None and (path is None or path == adapter.path):
+            adapter = held()
+            if adapter is not None:
                 return adapter
             return self.load(name, path or self._find(name))
 

@@ -43,15 +43,15 @@ class Sampler:
         token ids and, where asked, logprobs."""
         logits = logits.cpu()
         params = [s.params for s in seqs]
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Raw logits are kept (one copy of the batch's) only when a row reports logprobs of them.
-        processed = self.process_logits(logits, seqs, masks, in_place=not any(p.logprobs is not None for p in params))
+        processed = self.process_logits(logits, seqs, masks, in_place=not wanted)
         tokens = processed.argmax(dim=-1)
         for i, p in enumerate(params):
             if not p.greedy:
                 tokens[i] = self._sample_one(processed[i], p, self._generator(seqs[i]))
         token_list = tokens.tolist()
         logprobs: List[Optional[TokenLogprob]] = [None] * len(params)
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             lp = torch.log_softmax(logits[wanted], dim=-1)
             for row, i in enumerate(wanted):
