@@ -18,10 +18,12 @@ import logging
 import os
 import time
 import types
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
+from batcher import precompiled_forward
 from batcher.model_loader import cache_home
 from batcher.paged_attention import PagedMetadata
 
@@ -64,52 +66,113 @@ def _forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.T
     return out.logits[0]
 
 
-class StepForward:
-    """Calls the model on one packed step. mode: 'eager', or 'inductor' (torch.compile)."""
+def _no_weight_guards(entries) -> list:
+    """Keeps every guard but those on the model's own weights and buffers (hundreds of tensors the
+    engine never replaces: adapters and quantized weights are written in place)."""
+    return [not (e.guard_type == "TENSOR_MATCH" and ("._parameters[" in e.name or "._buffers[" in e.name))
+            for e in entries]
 
-    def __init__(self, model: torch.nn.Module, mode: str, cuda_graphs: bool = False, freezing: bool = False):
+
+class StepForward:
+    """Calls the model on one packed step. mode: 'eager', or 'inductor' (torch.compile). With
+    `precompiled_path`, the compiled step is loaded from that file when it is there, else traced ahead
+    of time on the first (warm-up) call and saved there (batcher/precompiled_forward.py)."""
+
+    def __init__(self, model: torch.nn.Module, mode: str, cuda_graphs: bool = False, freezing: bool = False,
+                 precompiled_path: Optional[Path] = None):
         self.model = model
         self.mode = mode
         self.cuda_graphs = cuda_graphs and mode != "eager"
         self.freezing = freezing
         self.compile_seconds = 0.0
+        self.warmed = False  # set once every graph the steps need has been compiled
+        self.precompiled_path = precompiled_path if mode != "eager" else None
+        self.precompiled: Optional[str] = None  # "loaded" or "saved" once the step runs from the file
         self._fn = _forward if mode == "eager" else self._compiled()
+        if self.precompiled_path is not None:
+            loaded = precompiled_forward.load(self.precompiled_path, _forward.__globals__)
+            if loaded is not None:
+                # The file's key stands in for its guards, which torch 2.13 cannot check after a load
+                # (a saved tensor guard expects autograd keys that inference tensors lack).
+                loaded.disable_guard_check()
+                self._fn, self.precompiled = loaded, "loaded"
 
     def _compiled(self) -> Callable:
         use_compile_cache()
         options = dict(CUDA_GRAPH_OPTIONS) if self.cuda_graphs else {}
         options["freezing"] = self.freezing
+        options["guard_filter_fn"] = (_no_weight_guards if self.precompiled_path is None
+                                      else precompiled_forward.serializable_guards(_no_weight_guards))
         return torch.compile(_own_code(_forward), dynamic=None, fullgraph=True, options=options)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_index: torch.Tensor,
                  meta: PagedMetadata) -> torch.Tensor:
-        if self.mode != "eager":
-            # Sizes >= 2 by the runner's padding: one symbolic size each, never specialised.
-            for t in (input_ids, positions, sample_index, meta.slot_mapping):
-                torch._dynamo.mark_dynamic(t, 0)
-        return self._fn(self.model, input_ids, positions, sample_index, meta)
+        args = (self.model, input_ids, positions, sample_index, meta)
+        if self.mode == "eager":
+            return self._fn(*args)
+        # Sizes >= 2 by the runner's padding: one symbolic size each, never specialised.
+        for t in (input_ids, positions, sample_index, meta.slot_mapping):
+            torch._dynamo.mark_dynamic(t, 0)
+        if not self.warmed:
+            return self._warm_up_call(args)
+        if self.precompiled:
+            return self._fn(*args)  # its file's key stands in for guards (batcher/precompiled_forward.py)
+        # Every graph was made at start (one per thread count, and with/without LoRA): only the guards
+        # that tell them apart are evaluated, not the ~5,000 on the model's modules (with the weights'
+        # guards dropped, 1.2-1.5 ms a step -> ~0.25 ms here, 10% of a decode step). Unsafe only if
+        # something would need a new graph after start: nothing does (tests/test_compiled_forward.py).
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self._fn(*args)
 
-    def warm_up(self, run_step: Callable[[], None]) -> None:
-        """Compiles now (run_step runs one padded step through this forward), so no request pays."""
-        t0 = time.perf_counter()
-        run_step()
-        self.compile_seconds = time.perf_counter() - t0
+    def _warm_up_call(self, args: tuple) -> torch.Tensor:
+        """A start-up step: runs a loaded file's step (falling back to compiling when it fails), or
+        traces the step and saves it to the file."""
+        path = self.precompiled_path
+        if self.precompiled == "loaded":
+            try:
+                return self._fn(*args)
+            except Exception as exc:
+                logger.warning("the precompiled step %s does not fit this model (%s); compiling it again",
+                               path.name, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                precompiled_forward.discard(path)
+                self._fn, self.precompiled = self._compiled(), None
+        if path is not None and self.precompiled is None:
+            try:
+                self._fn, self.precompiled = precompiled_forward.save(self._fn, args, path), "saved"
+            except Exception as exc:
+                self.precompiled_path = None
+                out = self._fn(*args)  # raises if the step cannot compile at all (build_step_forward logs)
+                logger.warning("the compiled step cannot be saved whole (%s); a restart traces it again",
+                               str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                return out
+        return self._fn(*args)
+
+    def finish_warm_up(self) -> None:
+        """Every graph is compiled: from now on steps skip guard evaluation."""
+        self.warmed = True
+        if self.precompiled == "saved":
+            self._fn.disable_guard_check()
 
 
 def build_step_forward(model: torch.nn.Module, compile: str, warm_up: Callable[["StepForward"], None],
-                       device: torch.device, cuda_graphs: bool = False, freezing: bool = False) -> StepForward:
+                       device: torch.device, cuda_graphs: bool = False, freezing: bool = False,
+                       precompile_key: Optional[str] = None) -> StepForward:
     """compile: 'off' -> eager; 'auto' -> compiled, or eager with one log line when the model cannot
     be compiled; 'inductor' -> compiled, or CompileError. `warm_up(forward)` runs the steps that
-    compile (a compile error surfaces there, at start-up, not in a request)."""
+    compile (a compile error surfaces there, at start-up, not in a request). precompile_key: the
+    step's key when it is one graph that can be saved whole (batcher/precompiled_forward.py)."""
     if compile == "off":
         return StepForward(model, "eager")
     try:
-        forward = StepForward(model, "inductor", cuda_graphs, freezing)
+        path = None if precompile_key is None else Path(use_compile_cache()) / "precompiled" / f"{precompile_key}.pt2"
+        forward = StepForward(model, "inductor", cuda_graphs, freezing, path)
         t0 = time.perf_counter()
         warm_up(forward)
         forward.compile_seconds = time.perf_counter() - t0
-        logger.info("compiled the forward on %s in %.1f s (cache: %s)", device, forward.compile_seconds,
-                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        forward.finish_warm_up()
+        logger.info("compiled the forward on %s in %.1f s (cache: %s%s)", device, forward.compile_seconds,
+                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                    f"; step {forward.precompiled} whole" if forward.precompiled else "")
         return forward
     except Exception as exc:  # dynamo/inductor raise many types; all mean "cannot compile this model"
         reason = _reason(exc)

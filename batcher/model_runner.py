@@ -9,8 +9,9 @@ import torch
 
 from batcher.attention import resolve_backend
 from batcher.compiled_forward import StepForward, build_step_forward
-from batcher.cpu_linear import use_weight_major_linears
+from batcher.cpu_linear import use_bf16_kernel_linears, use_weight_major_linears
 from batcher.lora_layers import LoRAModel
+from batcher.precompiled_forward import precompile_key
 from batcher.paged_attention import ATTENTION_NAME, KVCache, PagedMetadata
 from batcher.scheduler import ScheduledSeq
 
@@ -82,16 +83,31 @@ class ModelRunner:
                                    min(-(-max_len // block_size), num_blocks), device)
         self.max_num_seqs = max_num_seqs
         self.lora = lora
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            use_bf16_kernel_linears(model)  # oneDNN's bf16 GEMM reads weights at half the speed at decode
         # CUDA graphs need a kernel with no host sync inside: only the Triton backend is (opt-in, never
         # yet run on a GPU); the graphs mutate the KV cache in place, at addresses fixed from now on.
         cuda_graphs = device.type == "cuda" and self.attention_backend == "triton"
         if cuda_graphs:
             for t in self.kv_cache.k + self.kv_cache.v:
                 torch._dynamo.mark_static_address(t)
+        threads = set(thread_counts) | {torch.get_num_threads()}
+        # One graph (no adapters' second graph, one thread count) on CPU is saved whole, so a warm start
+        # does not trace the model again.
+        key = self._precompile_key(dtype, threads, freezing) if (
+            compile != "off" and lora is None and len(threads) == 1 and device.type == "cpu") else None
         self.forward: StepForward = build_step_forward(
-            model, compile, lambda fwd: self._warm_up(fwd, thread_counts), device, cuda_graphs, freezing)
+            model, compile, lambda fwd: self._warm_up(fwd, thread_counts), device, cuda_graphs, freezing, key)
         if self.forward.mode == "eager" and device.type == "cpu" and dtype == torch.float32:
             use_weight_major_linears(model)  # eager fp32 MKL's x @ W^T is slow at decode-sized batches
+
+    def _precompile_key(self, dtype: torch.dtype, threads: set, freezing: bool) -> str:
+        """The saved step's key: the model, and this runner's facts its graph depends on."""
+        return precompile_key(self.model, {
+            "dtype": dtype, "device": self.device, "backend": self.attention_backend, "threads": threads,
+            "freezing": freezing, "block_size": self.block_size, "kv_cache": tuple(self.kv_cache.k[0].shape),
+            "int8_kernel": [getattr(m, "cpu_kernel", None) for m in self.model.modules()],
+            "buffers": {k: tuple(v.shape) for k, v in self.buffers.host.items()}})
 
     @torch.inference_mode()
     def _warm_up(self, forward: StepForward, thread_counts: Iterable[int]) -> None:

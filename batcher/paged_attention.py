@@ -15,6 +15,7 @@ import torch
 from transformers import AttentionInterface
 
 import batcher.attention  # noqa: F401  registers torch.ops.iterserve.paged_attention
+from batcher.attention import cpu_kernel
 
 ATTENTION_NAME = "iterserve_paged"
 
@@ -81,11 +82,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise RuntimeError(f"the '{ATTENTION_NAME}' attention needs paged_metadata (run it via ModelRunner)")
     cache = meta.kv_cache
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.iterserve.paged_attention(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-        cache.k[module.layer_idx], cache.v[module.layer_idx], meta.slot_mapping, meta.query_start,
-        meta.context_lens, meta.block_tables, cache.block_size, float(scale), meta.backend,
-    )
+    args = (query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+            cache.k[module.layer_idx], cache.v[module.layer_idx], meta.slot_mapping, meta.query_start,
+            meta.context_lens, meta.block_tables, cache.block_size, float(scale))
+    if meta.backend == "cpu" and cpu_kernel.fits(args[0], args[3]):
+        out = torch.ops.iterserve_cpu.paged_attention(*args)  # the C++ op itself: no Python per layer
+    else:
+        out = torch.ops.iterserve.paged_attention(*args, meta.backend)
     return out.unsqueeze(0), None
 
 

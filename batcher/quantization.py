@@ -48,6 +48,7 @@ class Int8WeightLinear(torch.nn.Module):
         # In a tuple, not a submodule: the embedding stays the model's, converted and saved once.
         self._tied = (tied_embedding,) if tied_embedding is not None else ()
         self.max_packed_rows = PACKED_MAX_ROWS_TIED if self._tied else PACKED_MAX_ROWS
+        self.cpu_kernel = False  # set by use_cpu_kernel
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, dtype: torch.dtype,
@@ -55,10 +56,23 @@ class Int8WeightLinear(torch.nn.Module):
         qweight, scales = quantize_int8(linear.weight, dtype)
         return cls(qweight, scales, linear.bias, tied_embedding)
 
+    def use_cpu_kernel(self) -> bool:
+        """Switches to the C++ kernel (batcher/native/linear.cpp) where it runs: a bf16 layer on a CPU
+        with AVX512_BF16. Returns whether it did."""
+        from batcher.cpu_linear import bf16_kernel_available
+
+        self.cpu_kernel = (self.qweight.device.type == "cpu" and self.scales.dtype == torch.bfloat16
+                           and bf16_kernel_available())
+        return self.cpu_kernel
+
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.to(self.scales.dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel:  # one opaque op each; products they do not take go to F.linear inside
+            if self._tied:  # the embedding is read in bf16 anyway: the head keeps its precision
+                return torch.ops.iterserve_cpu.linear(x, self._tied[0].weight, self.bias)
+            return torch.ops.iterserve_cpu.linear_int8(x, self.qweight, self.scales, self.bias)
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= self.max_packed_rows:
             y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)

@@ -1,6 +1,6 @@
 """The compiled forward (compile='auto'): HF-exact greedy tokens in float32, one graph per thread
-count whatever the step's size, eager fallback with one log line, and compiled graphs reused from
-the on-disk cache by a new process."""
+count whatever the step's size, eager fallback with one log line, and the compiled step saved whole
+and loaded by a new process without tracing."""
 import json
 import logging
 import os
@@ -79,34 +79,58 @@ def test_required_compile_that_fails_raises():
 
 
 _CHILD = """
-import json, torch
+import json, sys, torch
 from batcher import EngineConfig, LLMEngine, SamplingParams
-engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", compile="auto", num_threads=1))
+engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", compile="auto", num_threads=1,
+                                max_num_seqs=int(sys.argv[1])))
 [out] = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-c = torch._dynamo.utils.counters["inductor"]
-print(json.dumps({"mode": engine.runner.forward.mode, "tokens": out.token_ids,
-                  "hit": c["fxgraph_cache_hit"], "miss": c["fxgraph_cache_miss"]}))
+c = torch._dynamo.utils.counters
+print(json.dumps({"mode": engine.runner.forward.mode, "precompiled": engine.runner.forward.precompiled,
+                  "tokens": out.token_ids, "traced": c["stats"]["unique_graphs"]}))
 """
 
 
-def test_a_restart_compiles_from_the_disk_cache(tmp_path):
-    """Two processes with the same ITERSERVE_HOME: the second loads the compiled graph from
-    cache_home()/compile instead of compiling it."""
-    env = {**os.environ, "ITERSERVE_HOME": str(tmp_path)}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    # The tokenizer lives with the embedded model: link it rather than convert it again.
+def _child_engine(home, max_num_seqs: int = 8) -> dict:
+    """An engine in a new process with ITERSERVE_HOME=home (the embedded tokenizer linked in)."""
     from batcher.model_loader import cache_home
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "smollm2-135m-instruct").symlink_to(cache_home() / "models" / "smollm2-135m-instruct")
 
-    def child():
-        done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
-                              timeout=600, cwd=os.getcwd())
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    env = {**os.environ, "ITERSERVE_HOME": str(home)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    if not (home / "models").exists():
+        (home / "models").mkdir()
+        (home / "models" / "smollm2-135m-instruct").symlink_to(cache_home() / "models" / "smollm2-135m-instruct")
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(max_num_seqs)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=os.getcwd())
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
-    cold, warm = child(), child()
+
+def test_a_restart_loads_the_step_saved_whole_without_tracing(tmp_path):
+    """Two processes with the same ITERSERVE_HOME: the first traces, compiles and saves the step; the
+    second loads it (dynamo traces nothing) and answers the same tokens. Another config (the metadata's
+    shapes change with max_num_seqs) never loads it: it is traced and saved under its own key."""
+    cold, warm = _child_engine(tmp_path), _child_engine(tmp_path)
     assert cold["mode"] == warm["mode"] == "inductor"
-    assert cold["miss"] >= 1 and warm["miss"] == 0 and warm["hit"] >= 1
+    assert cold["precompiled"] == "saved" and cold["traced"] == 1
+    assert warm["precompiled"] == "loaded" and warm["traced"] == 0
     assert warm["tokens"] == cold["tokens"]
-    assert (tmp_path / "compile").is_dir()
+    assert len(list((tmp_path / "compile" / "precompiled").glob("*.pt2"))) == 1
+    other = _child_engine(tmp_path, max_num_seqs=16)
+    assert other["precompiled"] == "saved" and other["traced"] == 1 and other["tokens"] == cold["tokens"]
+    assert len(list((tmp_path / "compile" / "precompiled").glob("*.pt2"))) == 2
+
+
+def test_a_damaged_saved_step_is_replaced_with_one_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile"))  # restored afterwards
+    config = EngineConfig(model=TINY, dtype="float32", compile="auto", num_threads=1, max_num_seqs=4)
+    first = LLMEngine(config)
+    [saved] = list((tmp_path / "compile" / "precompiled").glob("*.pt2"))
+    assert first.runner.forward.precompiled == "saved"
+    saved.write_bytes(b"not a compiled function")
+    caplog.set_level(logging.WARNING, logger="batcher.precompiled_forward")
+    again = LLMEngine(config)
+    assert again.runner.forward.precompiled == "saved"  # compiled and saved anew
+    assert [r.getMessage() for r in caplog.records if "did not load" in r.getMessage()]
+    prompt = mixed_prompts(TINY)[0]
+    [out] = again.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert out.token_ids == hf_greedy(TINY, prompt, 8)

@@ -287,7 +287,7 @@ at::Tensor paged_attention_cpu(at::Tensor query, at::Tensor key, at::Tensor valu
   return out;
 }
 
-TORCH_LIBRARY(iterserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(iterserve_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor query_start, Tensor context_lens, Tensor block_tables, int block_size, float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention_cpu);
 }
