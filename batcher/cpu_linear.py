@@ -1,9 +1,10 @@
 """Faster linear layers on CPU at decode-sized batches, switched in place on a loaded model.
 
-- bfloat16 (`use_bf16_kernel_linears`): the C++ kernel of batcher/native/linear.cpp, one opaque op
-  (`torch.ops.iterserve_cpu.linear`, also inside the compiled forward) that handles up to 16 rows
-  itself and hands bigger products to `F.linear`. SmolLM2-135M's weights once through it: 10.6 ms
-  for 1 row against oneDNN's 26.8 ms (2 threads, every projection and the lm_head).
+- bfloat16 and int8 weights (`use_bf16_kernel_linears`): the C++ kernel of batcher/native/linear.cpp,
+  one opaque op each (`torch.ops.iterserve_cpu.linear`, `.linear_int8`, also inside the compiled
+  forward) that handles up to 16 (int8: 32) rows itself and hands bigger products to `F.linear`.
+  SmolLM2-135M's weights once through it: 9.7 ms for 1 row against oneDNN's 21.7-26.8 ms, 5.7 ms in
+  int8 (2 threads, every projection and the lm_head; docs/forward.md).
 - float32, eager (`use_weight_major_linears`): `F.linear` computes x @ W^T. On CPU (MKL, fp32) that path is slow when x has a few rows: with 4-64
 rows a decoder's projections take 1.2-1.8x and its 49152-wide lm_head up to 3.5x as long as the same
 product computed as (W @ x^T)^T, measured here over 30 layers' worth of weights (cold caches). From

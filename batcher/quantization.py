@@ -1,13 +1,15 @@
 """Weight-only int8 linear layers (`engine.quantization: int8`).
 
 Each linear layer's weight is stored as int8 with one scale per output channel (symmetric, absmax /
-127); activations stay in the model's dtype (bf16 or fp16). Products of a few rows (decode steps) run
-through torch's own kernel, `aten._weight_int8pack_mm` (CPU and CUDA; torch.compile keeps it as one
-call): it reads half the bytes of bf16, the point on a memory-bound CPU. Its CPU kernel is no GEMM,
-though: from ~16 rows on it is 2-4x slower than a bf16 GEMM (measured here on SmolLM2's shapes), so
-bigger products use the GEMM instead, on the int8 weights converted to the activation dtype (exact:
-int8 values are bf16 values) with the scale applied to the output. A tied lm_head uses the input
-embedding's float weight there, which is in memory anyway. Numbers and quality cost: docs/forward.md.
+127); activations stay in the model's dtype (bf16 or fp16). Reading half of bf16's bytes is the point
+on a memory-bound CPU. On CPUs with AVX512_BF16 the C++ kernel of batcher/native/linear.cpp runs
+products of up to 32 rows (`use_cpu_kernel`), and a tied lm_head reads the input embedding's bf16
+weight (in memory anyway), keeping the head's precision. Elsewhere, products of a few rows (decode
+steps) run torch's own `aten._weight_int8pack_mm` (CPU and CUDA; torch.compile keeps it as one call),
+which is no GEMM: from ~16 rows on it is 2-4x slower than a bf16 GEMM (measured here on SmolLM2's
+shapes). Bigger products use the GEMM, on the int8 weights converted to the activation dtype (exact:
+int8 values are bf16 values) with the scale applied to the output, or on a tied head's embedding.
+Numbers and quality cost: docs/forward.md.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 // decode step reads every weight once and does little with it, so it is memory-bound: oneDNN's bf16
 // GEMM at 1-8 rows reads ~11 GB/s here, this ~25 GB/s, and int8 halves the bytes.
 // Each thread reads its share of W's rows front to back (prefetch-friendly), every row once for all
-// x rows (held in L1 while up to MAX_ROWS rows use it). Anything else (more rows, other dtypes,
+// x rows (held in L1 while every chunk of 8 x rows uses it). Anything else (more rows, other dtypes,
 // in_features not a multiple of 32, a CPU without AVX512_BF16) goes to at::linear.
 // Registered as torch.ops.iterserve_cpu.linear and .linear_int8 (batcher/cpu_linear.py, batcher/quantization.py).
 #include <ATen/core/Tensor.h>
@@ -20,7 +20,10 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 16;  // measured crossover with at::linear: batcher/cpu_linear.py
+// Rows up to which the kernel beats at::linear (measured, docs/forward.md): bf16 weights against
+// oneDNN's GEMM; int8 ones against that GEMM on the weights converted per call.
+constexpr int64_t MAX_ROWS_BF16 = 16;
+constexpr int64_t MAX_ROWS_INT8 = 32;
 constexpr int CHUNK = 8;          // x rows per pass over a weight row (accumulators in registers)
 
 #ifdef __AVX512BF16__
@@ -99,13 +102,13 @@ bool is_bf16_vector(const std::optional<at::Tensor>& t, int64_t n) {
 }
 
 // Whether the kernel takes this product (else the caller's fallback runs).
-bool uses_kernel(const at::Tensor& x, const at::Tensor& w, at::ScalarType w_type, const std::optional<at::Tensor>& scale,
-                 const std::optional<at::Tensor>& bias) {
+bool uses_kernel(const at::Tensor& x, const at::Tensor& w, at::ScalarType w_type, int64_t max_rows,
+                 const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& bias) {
 #ifdef __AVX512BF16__
   if (w.dim() != 2 || x.dim() < 1) return false;
   const int64_t K = w.size(1);
   return x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == w_type &&
-         w.is_contiguous() && K % 32 == 0 && x.size(-1) == K && x.numel() > 0 && x.numel() / K <= MAX_ROWS &&
+         w.is_contiguous() && K % 32 == 0 && x.size(-1) == K && x.numel() > 0 && x.numel() / K <= max_rows &&
          is_bf16_vector(scale, w.size(0)) && is_bf16_vector(bias, w.size(0));
 #else
   return false;
@@ -114,7 +117,8 @@ bool uses_kernel(const at::Tensor& x, const at::Tensor& w, at::ScalarType w_type
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
 #ifdef __AVX512BF16__
-  if (uses_kernel(x, w, at::kBFloat16, std::nullopt, bias)) return run<c10::BFloat16>(x, w, std::nullopt, bias);
+  if (uses_kernel(x, w, at::kBFloat16, MAX_ROWS_BF16, std::nullopt, bias))
+    return run<c10::BFloat16>(x, w, std::nullopt, bias);
 #endif
   return at::linear(x, w, bias);
 }
@@ -124,7 +128,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w, const std::optio
 at::Tensor linear_int8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                            const std::optional<at::Tensor>& bias) {
 #ifdef __AVX512BF16__
-  if (uses_kernel(x, w, at::kChar, scale, bias)) return run<int8_t>(x, w, scale, bias);
+  if (uses_kernel(x, w, at::kChar, MAX_ROWS_INT8, scale, bias)) return run<int8_t>(x, w, scale, bias);
 #endif
   at::Tensor y = at::linear(x, w.to(x.scalar_type())).mul(scale.to(x.scalar_type()));
   return bias ? y.add(*bias) : y;
