@@ -1,15 +1,16 @@
 """Faster linear layers on CPU at decode-sized batches, switched in place on a loaded model.
 
-- bfloat16 and int8 weights (`use_bf16_kernel_linears`): the C++ kernel of batcher/native/linear.cpp,
+- bfloat16 and int8 weights (`use_kernel_linears`): the C++ kernel of batcher/native/linear.cpp,
   one opaque op each (`torch.ops.iterserve_cpu.linear`, `.linear_int8`, also inside the compiled
   forward) that handles up to 16 (int8: 32) rows itself and hands bigger products to `F.linear`.
   SmolLM2-135M's weights once through it: 9.7 ms for 1 row against oneDNN's 21.7-26.8 ms, 5.7 ms in
   int8 (2 threads, every projection and the lm_head; docs/forward.md).
-- float32, eager (`use_weight_major_linears`): `F.linear` computes x @ W^T. On CPU (MKL, fp32) that path is slow when x has a few rows: with 4-64
-rows a decoder's projections take 1.2-1.8x and its 49152-wide lm_head up to 3.5x as long as the same
-product computed as (W @ x^T)^T, measured here over 30 layers' worth of weights (cold caches). From
-~256 rows on, the two are equal. Results differ only in float rounding order, as they do between
-batch sizes; greedy parity with Hugging Face `generate` is tested (tests/test_engine_parity.py).
+- float32, eager (`use_weight_major_linears`): `F.linear` computes x @ W^T. On CPU (MKL, fp32) that
+  path is slow when x has a few rows: with 4-64 rows a decoder's projections take 1.2-1.8x and its
+  49152-wide lm_head up to 3.5x as long as the same product computed as (W @ x^T)^T, measured here
+  over 30 layers' worth of weights (cold caches). From ~256 rows on, the two are equal. Results
+  differ only in float rounding order, as they do between batch sizes; greedy parity with Hugging
+  Face `generate` is tested (tests/test_engine_parity.py).
 """
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ class BF16KernelLinear(torch.nn.Linear):
 
 
 @functools.lru_cache(maxsize=None)
-def bf16_kernel_available() -> bool:
-    """Builds (or loads) the kernel; False, logged once, without a compiler or without AVX512_BF16."""
+def linear_kernel_available() -> bool:
+    """Builds (or loads) the kernel; False (logged once without a compiler) where it does not run."""
     try:
         native.build("linear.cpp")
     except Exception as e:  # no compiler: F.linear serves
@@ -80,13 +81,13 @@ def _fake_linear_int8(x, weight, scale, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def use_bf16_kernel_linears(model: torch.nn.Module) -> int:
-    """Switches every plain nn.Linear of a bf16 CPU model to BF16KernelLinear in place, and every
+def use_kernel_linears(model: torch.nn.Module) -> int:
+    """Switches every plain bf16 nn.Linear of a CPU model to BF16KernelLinear in place, and every
     int8 layer (batcher/quantization.py) to the kernel's int8 op; returns how many (0 where the
     kernel is not available)."""
     from batcher.quantization import Int8WeightLinear
 
-    if not bf16_kernel_available():
+    if not linear_kernel_available():
         return 0
     count = 0
     for module in model.modules():

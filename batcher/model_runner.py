@@ -9,10 +9,10 @@ import torch
 
 from batcher.attention import resolve_backend
 from batcher.compiled_forward import StepForward, build_step_forward
-from batcher.cpu_linear import use_bf16_kernel_linears, use_weight_major_linears
+from batcher.cpu_linear import use_kernel_linears, use_weight_major_linears
 from batcher.lora_layers import LoRAModel
-from batcher.precompiled_forward import precompile_key
 from batcher.paged_attention import ATTENTION_NAME, KVCache, PagedMetadata
+from batcher.precompiled_forward import precompile_key
 from batcher.scheduler import ScheduledSeq
 
 # A compiled step has at least this many token rows and sampled rows: dynamo specialises sizes 0 and 1,
@@ -84,7 +84,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.lora = lora
         if device.type == "cpu" and dtype == torch.bfloat16:
-            use_bf16_kernel_linears(model)  # oneDNN's bf16 GEMM reads weights at half the speed at decode
+            use_kernel_linears(model)  # oneDNN's bf16 GEMM reads weights at half the kernel's speed at decode
         # CUDA graphs need a kernel with no host sync inside: only the Triton backend is (opt-in, never
         # yet run on a GPU); the graphs mutate the KV cache in place, at addresses fixed from now on.
         cuda_graphs = device.type == "cuda" and self.attention_backend == "triton"
@@ -106,7 +106,7 @@ class ModelRunner:
         return precompile_key(self.model, {
             "dtype": dtype, "device": self.device, "backend": self.attention_backend, "threads": threads,
             "freezing": freezing, "block_size": self.block_size, "kv_cache": tuple(self.kv_cache.k[0].shape),
-            "int8_kernel": [getattr(m, "cpu_kernel", None) for m in self.model.modules()],
+            "int8_kernel": any(getattr(m, "cpu_kernel", False) for m in self.model.modules()),
             "buffers": {k: tuple(v.shape) for k, v in self.buffers.host.items()}})
 
     @torch.inference_mode()

@@ -61,10 +61,10 @@ class Int8WeightLinear(torch.nn.Module):
     def use_cpu_kernel(self) -> bool:
         """Switches to the C++ kernel (batcher/native/linear.cpp) where it runs: a bf16 layer on a CPU
         with AVX512_BF16. Returns whether it did."""
-        from batcher.cpu_linear import bf16_kernel_available
+        from batcher.cpu_linear import linear_kernel_available
 
         self.cpu_kernel = (self.qweight.device.type == "cpu" and self.scales.dtype == torch.bfloat16
-                           and bf16_kernel_available())
+                           and linear_kernel_available())
         return self.cpu_kernel
 
     def dequantized_weight(self) -> torch.Tensor:

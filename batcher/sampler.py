@@ -41,8 +41,11 @@ class Sampler:
         """logits: (S, vocab) float on any device, one row per sequence in `seqs` (their token ids so
         far are the penalties' history); `masks`: the grammar masks of the constrained rows. Returns
         token ids and, where asked, logprobs."""
-        logits = logits.cpu()
         params = [s.params for s in seqs]
+        if masks is None and all(p.greedy and p.logprobs is None and not p.processes_logits for p in params):
+            # Plain greedy: the argmax where the logits are (on a GPU, one copy of S ids, not S x vocab).
+            return logits.argmax(dim=-1).tolist(), [None] * len(params)
+        logits = logits.cpu()
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Raw logits are kept (one copy of the batch's) only when a row reports logprobs of them.
         processed = self.process_logits(logits, seqs, masks, in_place=not wanted)

@@ -41,9 +41,9 @@ def test_switches_every_linear_and_keeps_tied_weights():
 # ---- the C++ kernel for bf16 and int8 weights (batcher/native/linear.cpp) ------------------------
 
 def _kernel():
-    from batcher.cpu_linear import bf16_kernel_available
+    from batcher.cpu_linear import linear_kernel_available
 
-    if not bf16_kernel_available():
+    if not linear_kernel_available():
         pytest.skip("this CPU has no AVX512_BF16 (or no compiler): the kernel is not used here")
     return torch.ops.iterserve_cpu
 
@@ -128,7 +128,7 @@ def test_the_kernels_run_inside_a_compiled_graph_with_a_dynamic_row_count():
 
 
 def test_a_bf16_model_switched_to_the_kernel_keeps_its_logits_and_tied_weights():
-    from batcher.cpu_linear import BF16KernelLinear, use_bf16_kernel_linears
+    from batcher.cpu_linear import BF16KernelLinear, use_kernel_linears
 
     _kernel()
     torch.manual_seed(0)
@@ -138,7 +138,7 @@ def test_a_bf16_model_switched_to_the_kernel_keeps_its_logits_and_tied_weights()
     ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
     with torch.inference_mode():
         before = model(ids).logits
-    assert use_bf16_kernel_linears(model) == 2 * 7 + 1
+    assert use_kernel_linears(model) == 2 * 7 + 1
     assert all(type(m) is BF16KernelLinear for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with torch.inference_mode():
@@ -147,7 +147,7 @@ def test_a_bf16_model_switched_to_the_kernel_keeps_its_logits_and_tied_weights()
 
 
 def test_int8_layers_switch_to_the_kernel_and_a_tied_head_reads_the_bf16_embedding():
-    from batcher.cpu_linear import use_bf16_kernel_linears
+    from batcher.cpu_linear import use_kernel_linears
     from batcher.quantization import Int8WeightLinear, quantize_linears
 
     ops = _kernel()
@@ -158,7 +158,7 @@ def test_int8_layers_switch_to_the_kernel_and_a_tied_head_reads_the_bf16_embeddi
     quantize_linears(model, torch.bfloat16)
     model.to(torch.bfloat16)
     layers = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
-    assert use_bf16_kernel_linears(model) == len(layers) == 2 * 7 + 1
+    assert use_kernel_linears(model) == len(layers) == 2 * 7 + 1
     assert all(m.cpu_kernel for m in layers)
     x = torch.randn(3, 64).to(torch.bfloat16)
     embedding = model.get_input_embeddings().weight

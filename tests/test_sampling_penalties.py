@@ -231,3 +231,28 @@ def test_engine_refuses_logit_bias_outside_the_vocabulary(tiny_engine):
         with pytest.raises(InvalidRequestError, match="logit_bias: token id"):
             tiny_engine.make_request("hi", SamplingParams(logit_bias={bad: 1.0}))
     tiny_engine.make_request("hi", SamplingParams(logit_bias={tiny_engine.vocab_size - 1: 1.0}))
+
+
+class _DeviceLogits(torch.Tensor):
+    """Logits that record whether the sampler copied them to the host (as it must from a GPU)."""
+    copied = False
+
+    def cpu(self, *args, **kwargs):
+        type(self).copied = True
+        return super().cpu(*args, **kwargs)
+
+
+@pytest.mark.parametrize("extra, copies", [({}, False), ({"logprobs": 1}, True),
+                                           ({"presence_penalty": 0.5}, True)])
+def test_plain_greedy_rows_take_the_argmax_where_the_logits_are(extra, copies):
+    """A batch of plain greedy rows copies token ids, not (rows x vocab) logits; a row asking for
+    logprobs or a penalty brings the logits to the host. Tokens are the processed argmax either way."""
+    rng = random.Random(0)
+    seqs = [seq(i, *history(rng)) for i in range(3)] + [seq(3, *history(rng), **extra)]
+    logits = random_logits(4, seed=1)
+    expected = Sampler().process_logits(logits.clone(), seqs).argmax(dim=-1).tolist()
+    _DeviceLogits.copied = False
+    tokens, logprobs = Sampler().sample(logits.clone().as_subclass(_DeviceLogits), seqs)
+    assert _DeviceLogits.copied is copies
+    assert tokens == expected
+    assert (logprobs[3] is not None) == ("logprobs" in extra)

@@ -3,7 +3,7 @@ torch.utils.cpp_extension and cached under torch's extensions directory (TORCH_E
 ~10-20 s of CPU to build cold, ~1 s to load warm. Each source registers its ops under
 `torch.ops.iterserve_cpu`.
 - paged_attention.cpp: the paged-attention op's CPU implementation (batcher/attention/cpu_kernel.py);
-- linear.cpp: bf16 linear layers for decode-sized batches (batcher/cpu_linear.py).
+- linear.cpp: linear layers with bf16 or int8 weights for decode-sized batches (batcher/cpu_linear.py).
 """
 from __future__ import annotations
 
