@@ -23,8 +23,9 @@ measured); the rest is measured from the replicas or derived from those two (doc
               last visit is under RECUR_GAPS mean gaps between visits plus a start-up: a lull shorter
               than the recurrence keeps the capacity, a longer silence is a trend and releases it.
               Replicas asked for, and the fleet found at the first call, are kept a start-up
-    down      straight to the kept count, unless the drop is under max(2, sqrt(n) / 2) (noise)
-              and does not halve the fleet
+    down      straight to the kept count, but only as far as 10% more load would still need (a band:
+              a need flickering at a threshold holds the higher count instead of flapping), and not
+              by less than max(1, sqrt(n) / 2) (noise) unless that halves the fleet
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ RECUR_GAPS = 3.0  # a recurring level is released after a silence of this many m
 GROWTH_SPAN_S = 5.0  # arrivals are completions + growth over this span (Serve's look-back for this policy)
 MISS = 0.01  # the share of requests the sizing lets wait past the SLO (M/M/c, Poisson arrivals)
 ERLANG_SERVERS = 512  # slots up to which P(wait) is computed (Erlang C); beyond, bounded by 1
-KEEP_TOLERANCE = 0.1  # demand within 10% of a level does not keep it (Knative's and AIBrix's band)
+KEEP_TOLERANCE = 0.1  # demand within 10% of a level neither keeps nor releases it (Knative's and AIBrix's band)
 FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
 
 # Knob names of the 13-knob version: named in the error so a stale config says what replaced it.
@@ -176,10 +177,15 @@ class QueueDepthPolicy:
             # projection: a burst may end before the replicas land).
             desired = max(desired, self._need(arrivals + queued / startup, 0.0, mu, None))
         if desired < target:
+            # A band, not a line: going down only as far as 10% more load would still need (else a need
+            # flickering at a threshold flaps the fleet down and up again a start-up later).
+            band = 1.0 + KEEP_TOLERANCE
+            desired = max(desired, min(target, self._need((arrivals + self._trend(s, startup)) * band,
+                                                           load * band, mu, slots)))
             desired = max(desired, self._kept(s, now, startup, target, mu, slots))
-            # Noise in what a fleet of n needs is about sqrt(n) (Poisson): a drop under half of that,
-            # or of one replica, is not one; halving the fleet always is.
-            if target - desired < max(2, math.sqrt(target) / 2) and desired > target / 2:
+            # Noise in what a fleet of n needs is about sqrt(n) (Poisson): a drop under half of that is
+            # not one; halving the fleet always is.
+            if target - desired < max(1, math.sqrt(target) / 2) and desired > target / 2:
                 desired = target
             if desired == 0 and target > 1:
                 desired = 1  # to zero only from one replica, as Serve's wrapper allows

@@ -141,6 +141,29 @@ def test_steady_load_inside_the_margin_never_moves():
     assert len(held) == 1 and held <= {7, 8, 9}, out
 
 
+def test_a_need_flickering_at_a_threshold_holds_one_count_and_then_goes():
+    """After a burst, a tail whose rate wanders across the 1 -> 2 replica threshold (1.22-1.38 req/s;
+    2 replicas from 1.33) holds 2 replicas, never flapping down and up again (each re-buy lands a
+    start-up late), and is released within a start-up of its end."""
+    p = policy()
+    state, out, ready, target = measured(p), {}, 10, 10
+
+    def rate(t):
+        if t < 40:
+            return 18.0
+        return 1.30 + 0.08 * (((t // 5) * 7919) % 13 - 6) / 6 if t < 400 else 0.0
+
+    for t in range(0, 500):  # running = rate x 2 s latency (Little), spread over the ready replicas
+        rps = rate(t)
+        n, state = p(ctx(target, ready=ready, running=[rps * 2.0 / ready] * ready,
+                         finished=[rps / ready] * ready, now=float(t), state=state))
+        ready = min(ready, n) if n < ready else ready  # scale-downs act at once; the tail never needs more
+        out[t], target = n, n
+    tail = [out[t] for t in range(130, 400)]
+    assert set(tail) == {2}, tail
+    assert all(out[t] <= 1 for t in range(400 + int(STARTUP) + 10, 500))
+
+
 def test_kv_pressure_marks_a_replica_full_and_its_rate_is_mu():
     # No queue, but replica 0's KV cache is full: its completion rate (1.5 req/s) is what a replica does.
     _, state = policy()(ctx(2, running=[4, 3], kv=[0.95, 0.3], finished=[1.5, 1.0]))
