@@ -90,7 +90,13 @@ class StepForward:
         self.precompiled: Optional[str] = None  # "loaded" or "saved" once the step runs from the file
         self._fn = _forward if mode == "eager" else self._compiled()
         if self.precompiled_path is not None:
-            loaded = precompiled_forward.load(self.precompiled_path, _forward.__globals__)
+            try:
+                loaded = precompiled_forward.load(self.precompiled_path, _forward.__globals__)
+            except Exception as exc:  # a torch upgrade, a truncated file: compile again
+                logger.warning("the precompiled step %s did not load (%s); compiling it again",
+                               self.precompiled_path.name, _reason(exc))
+                self.precompiled_path.unlink(missing_ok=True)
+                loaded = None
             if loaded is not None:
                 # The file's key stands in for its guards, which torch 2.13 cannot check after a load
                 # (a saved tensor guard expects autograd keys that inference tensors lack).
@@ -108,15 +114,13 @@ class StepForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_index: torch.Tensor,
                  meta: PagedMetadata) -> torch.Tensor:
         args = (self.model, input_ids, positions, sample_index, meta)
-        if self.mode == "eager":
-            return self._fn(*args)
+        if self.mode == "eager" or (self.warmed and self.precompiled):
+            return self._fn(*args)  # a saved step: its file's key stands in for guards, dynamo never runs
         # Sizes >= 2 by the runner's padding: one symbolic size each, never specialised.
         for t in (input_ids, positions, sample_index, meta.slot_mapping):
             torch._dynamo.mark_dynamic(t, 0)
         if not self.warmed:
             return self._warm_up_call(args)
-        if self.precompiled:
-            return self._fn(*args)  # its file's key stands in for guards (batcher/precompiled_forward.py)
         # Every graph was made at start (one per thread count, and with/without LoRA): only the guards
         # that tell them apart are evaluated, not the ~5,000 on the model's modules (with the weights'
         # guards dropped, 1.2-1.5 ms a step -> ~0.25 ms here, 10% of a decode step). Unsafe only if
@@ -133,8 +137,8 @@ class StepForward:
                 return self._fn(*args)
             except Exception as exc:
                 logger.warning("the precompiled step %s does not fit this model (%s); compiling it again",
-                               path.name, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-                precompiled_forward.discard(path)
+                               path.name, _reason(exc))
+                path.unlink(missing_ok=True)
                 self._fn, self.precompiled = self._compiled(), None
         if path is not None and self.precompiled is None:
             try:
@@ -143,7 +147,7 @@ class StepForward:
                 self.precompiled_path = None
                 out = self._fn(*args)  # raises if the step cannot compile at all (build_step_forward logs)
                 logger.warning("the compiled step cannot be saved whole (%s); a restart traces it again",
-                               str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                               _reason(exc))
                 return out
         return self._fn(*args)
 

@@ -94,6 +94,8 @@ def use_kernel_linears(model: torch.nn.Module) -> int:
         if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
             module.__class__ = BF16KernelLinear
             count += 1
-        elif isinstance(module, Int8WeightLinear):
-            count += module.use_cpu_kernel()
+        elif (isinstance(module, Int8WeightLinear) and module.qweight.device.type == "cpu"
+              and module.scales.dtype == torch.bfloat16):
+            module.cpu_kernel = True
+            count += 1
     return count

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
 import transformers
-
-logger = logging.getLogger(__name__)
 
 _BATCHER = Path(__file__).parent
 # This package's files that shape the traced graph or the ops inside it.
@@ -71,17 +68,11 @@ def serializable_guards(keep: Callable[[list], list]) -> Callable[[list], list]:
 
 
 def load(path: Path, f_globals: dict) -> Optional[Callable]:
-    """The compiled step saved at `path`, or None (absent; unreadable ones are deleted, logged)."""
+    """The compiled step saved at `path`, or None when there is none (an unreadable file raises)."""
     if not path.exists():
         return None
-    try:
-        with open(path, "rb") as f:
-            return torch.compiler.load_compiled_function(f, f_globals=f_globals)
-    except Exception as exc:  # a torch upgrade, a truncated file: compile again
-        logger.warning("the precompiled step %s did not load (%s: %s); compiling it again", path.name,
-                       type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
-        discard(path)
-        return None
+    with open(path, "rb") as f:
+        return torch.compiler.load_compiled_function(f, f_globals=f_globals)
 
 
 def save(compiled: Any, args: tuple, path: Path) -> Callable:
@@ -91,7 +82,3 @@ def save(compiled: Any, args: tuple, path: Path) -> Callable:
     path.parent.mkdir(parents=True, exist_ok=True)
     fn.save_compiled_function(str(path))
     return fn
-
-
-def discard(path: Path) -> None:
-    path.unlink(missing_ok=True)

@@ -3,7 +3,7 @@
 Each linear layer's weight is stored as int8 with one scale per output channel (symmetric, absmax /
 127); activations stay in the model's dtype (bf16 or fp16). Reading half of bf16's bytes is the point
 on a memory-bound CPU. On CPUs with AVX512_BF16 the C++ kernel of batcher/native/linear.cpp runs
-products of up to 32 rows (`use_cpu_kernel`), and a tied lm_head reads the input embedding's bf16
+products of up to 32 rows (`batcher.cpu_linear.use_kernel_linears`), and a tied lm_head reads the input embedding's bf16
 weight (in memory anyway), keeping the head's precision. Elsewhere, products of a few rows (decode
 steps) run torch's own `aten._weight_int8pack_mm` (CPU and CUDA; torch.compile keeps it as one call),
 which is no GEMM: from ~16 rows on it is 2-4x slower than a bf16 GEMM (measured here on SmolLM2's
@@ -50,22 +50,13 @@ class Int8WeightLinear(torch.nn.Module):
         # In a tuple, not a submodule: the embedding stays the model's, converted and saved once.
         self._tied = (tied_embedding,) if tied_embedding is not None else ()
         self.max_packed_rows = PACKED_MAX_ROWS_TIED if self._tied else PACKED_MAX_ROWS
-        self.cpu_kernel = False  # set by use_cpu_kernel
+        self.cpu_kernel = False  # set by batcher.cpu_linear.use_kernel_linears where the C++ kernel runs
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, dtype: torch.dtype,
                     tied_embedding: Optional[torch.nn.Module] = None) -> "Int8WeightLinear":
         qweight, scales = quantize_int8(linear.weight, dtype)
         return cls(qweight, scales, linear.bias, tied_embedding)
-
-    def use_cpu_kernel(self) -> bool:
-        """Switches to the C++ kernel (batcher/native/linear.cpp) where it runs: a bf16 layer on a CPU
-        with AVX512_BF16. Returns whether it did."""
-        from batcher.cpu_linear import linear_kernel_available
-
-        self.cpu_kernel = (self.qweight.device.type == "cpu" and self.scales.dtype == torch.bfloat16
-                           and linear_kernel_available())
-        return self.cpu_kernel
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.to(self.scales.dtype) * self.scales[:, None]

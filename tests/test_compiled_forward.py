@@ -127,7 +127,7 @@ def test_a_damaged_saved_step_is_replaced_with_one_warning(tmp_path, monkeypatch
     [saved] = list((tmp_path / "compile" / "precompiled").glob("*.pt2"))
     assert first.runner.forward.precompiled == "saved"
     saved.write_bytes(b"not a compiled function")
-    caplog.set_level(logging.WARNING, logger="batcher.precompiled_forward")
+    caplog.set_level(logging.WARNING, logger="batcher.compiled_forward")
     again = LLMEngine(config)
     assert again.runner.forward.precompiled == "saved"  # compiled and saved anew
     assert [r.getMessage() for r in caplog.records if "did not load" in r.getMessage()]
