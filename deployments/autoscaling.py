@@ -167,8 +167,7 @@ class QueueDepthPolicy:
         # With a rate known, a queue is the burst rule's (a queue of thousands over slots would buy
         # replicas for requests that are served before they land); before, it counts as load.
         load = in_flight if mu else demand
-        trend = self._trend(s, startup)
-        need = self._need(arrivals + trend, load, mu, slots)
+        need = self._need(arrivals + self._trend(s, startup), load, mu, slots)
         s.setdefault("seed", (now, target))  # the fleet found at the first call: kept a start-up too
         self._remember(s, now, startup, arrivals, load)
         desired = need
@@ -179,9 +178,11 @@ class QueueDepthPolicy:
             desired = max(desired, self._need(arrivals + queued / startup, 0.0, mu, None))
         if desired < target:
             # A band, not a line: going down only as far as 10% more load would still need (else a need
-            # flickering at a threshold flaps the fleet down and up again a start-up later).
+            # flickering at a threshold flaps the fleet down and up again a start-up later). The trend is
+            # read again: _remember may have closed a bucket since (the real-Serve burst test needs it).
             band = 1.0 + KEEP_TOLERANCE
-            desired = max(desired, min(target, self._need((arrivals + trend) * band, load * band, mu, slots)))
+            desired = max(desired, min(target, self._need((arrivals + self._trend(s, startup)) * band,
+                                                           load * band, mu, slots)))
             desired = max(desired, self._kept(s, now, startup, target, mu, slots))
             # Noise in what a fleet of n needs is about sqrt(n) (Poisson): a drop under half of that is
             # not one; halving the fleet always is.
