@@ -5,7 +5,8 @@ Deploys simulated replicas (sim:cpu-smollm2: the real engine and Serve plumbing,
 sleeping) with the queue-depth policy, min 1 / max N replicas, then over HTTP (streaming completions):
 1. burst: `--clients` closed-loop clients until N replicas run (the time it took is reported);
 2. tail: the burst clients finish their current request and stop; one client keeps a light load
-   while replicas return to the minimum (so replicas leave with streams in flight);
+   (a user reading each answer for THINK_S) while replicas return to the minimum (so replicas leave
+   with streams in flight);
 3. every request is counted: sent, answered in full (all tokens, then [DONE]), failed (with why).
 Prints one JSON object; shuts down the Serve it started there and leaves the cluster running.
 """
@@ -26,6 +27,11 @@ import numpy as np
 from cluster.local_serve import local_serve
 
 MAX_TOKENS = 32
+# The tail client's pause between requests. Without one it sends ~0.5 req/s, where the policy's
+# sizing (Poisson arrivals, the 1 s SLO) turns from one replica to two: at 0.37 req/s when a full
+# replica does 1.35 req/s, 0.52 at 1.75 (both measured here), so whether the fleet got back to one hung
+# on the machine's pace. With it, ~0.17 req/s: one replica even at 0.8 req/s a replica.
+THINK_S = 4.0
 
 
 def app_config(max_replicas: int, slo_s: float = 1.0, startup_s: float = 10.0) -> dict:
@@ -73,6 +79,8 @@ class BurstTraffic:
         while not (self.stop_tail if tail else self.stop_burst) and not client.is_closed:
             await self.one(client, ident * 100000 + n)
             n += 1
+            if tail:
+                await asyncio.sleep(THINK_S)
 
 
 def replica_states(app: str) -> tuple:
