@@ -281,10 +281,12 @@ def main(argv=None) -> int:
         s["fixed"], results["fixed"] = fixed_baseline(trace, work, startup, args.slo_s, args.dt_s, args.seed,
                                                       q["replica_seconds"], q["slo_share"], args.max_replicas)
         checks = check_targets(s)
-        print(table(startup, s) + f"\n({time.time() - t0:.0f} s to simulate)")
+        ahead = trace.lookahead_correlation(startup)
+        print(table(startup, s) + f"\n({time.time() - t0:.0f} s to simulate; the rate one start-up ahead "
+              f"against now: correlation {ahead:.2f})")
         for c in checks:
             print(f"  {c['target']:<40} {c['value']:>8.3f}  (target {c['bound']})  {'met' if c['met'] else 'MISSED'}")
-        run = {"startup_s": startup, "policies": s, "targets": checks}
+        run = {"startup_s": startup, "rate_correlation_one_startup_ahead": ahead, "policies": s, "targets": checks}
         if not args.no_plot:
             from cluster.plots import plot_run
 

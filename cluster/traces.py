@@ -31,6 +31,16 @@ class Trace:
         inside = self.rate_rps[(self.t_s > t0) & (self.t_s < t1)]
         return float(max(self.rate(t0), self.rate(t1), inside.max() if inside.size else 0.0))
 
+    def lookahead_correlation(self, lag_s: float, bin_s: float = 10.0) -> float:
+        """Correlation of the rate (bin_s bins) with itself lag_s later: how much what a policy sees
+        now tells it of the load when replicas it asks for land. Near 0, no online policy can place
+        capacity at the bursts (the best constant fleet at equal replica-seconds bounds it)."""
+        rate = self.rate(np.arange(0.0, self.duration_s, bin_s))
+        k = max(1, round(lag_s / bin_s))
+        if len(rate) <= k + 1 or rate[:-k].std() == 0 or rate[k:].std() == 0:
+            return float("nan")
+        return float(np.corrcoef(rate[:-k], rate[k:])[0, 1])
+
     def scaled(self, factor: float) -> "Trace":
         return Trace(self.t_s, self.rate_rps * factor, self.name, list(self.steady))
 

@@ -88,6 +88,8 @@ def test_cli_report_figures_agree_with_each_other(tmp_path):
     report = json.loads((out / "simulate.json").read_text())
     assert report["duration_s"] == pytest.approx(900, abs=1) and not report["tokens_from_trace"]
     (run,) = report["runs"]
+    # How much the rate now says of the rate one start-up ahead (the bound on any online policy).
+    assert run["rate_correlation_one_startup_ahead"] == pytest.approx(load_csv(str(path)).lookahead_correlation(30.0))
     pol = run["policies"]
     q, d, c, f = pol["queue_depth"], pol["serve_default"], pol["clairvoyant"], pol["fixed"]
     # One trace, one seed: every policy got the same requests, and served them all.

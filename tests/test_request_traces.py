@@ -191,6 +191,16 @@ def _poisson(mean_rps, duration_s, seed=0):
     return syn.diurnal(duration_s, mean_rps, peak_over_trough=1.0, seed=seed)  # a flat day: Poisson
 
 
+def test_the_bursty_traces_load_a_start_up_ahead_is_unrelated_to_now_and_the_days_is_not(code):
+    # What bounds any online autoscaler on a trace (docs/autoscaling.md): the bursty public trace's
+    # rate 60 s ahead is uncorrelated with now (measured 0.05), the day's follows it.
+    from cluster.traces import day_trace
+
+    assert abs(code.to_rate(10.0).lookahead_correlation(60.0)) < 0.15
+    assert day_trace().lookahead_correlation(60.0) > 0.9
+    assert abs(syn.on_off_bursts(3600, 2.0, on_s=10, off_s=120, seed=1).to_rate(10.0).lookahead_correlation(60.0)) < 0.15
+
+
 def test_mmpp_is_idle_most_of_the_time_and_bursts_far_above_poisson():
     bursts = syn.on_off_bursts(3600, 2.0, on_s=10, off_s=120, seed=1).describe()
     flat = _poisson(2.0, 3600, seed=1).describe()
