@@ -3,7 +3,7 @@
 
 Deploys simulated replicas (sim:cpu-smollm2: the real engine and Serve plumbing, forward replaced by
 sleeping) with the queue-depth policy, min 1 / max N replicas, then over HTTP (streaming completions):
-1. burst: `--clients` closed-loop clients until N replicas run (the time it took is reported);
+1. burst: `--clients` closed-loop clients until N replicas run (the time it took is reported), and 10 s more;
 2. tail: the burst clients finish their current request and stop; one client keeps a light load
    (a user reading each answer for THINK_S) while replicas return to the minimum (so replicas leave
    with streams in flight);
@@ -242,7 +242,7 @@ async def _scale_up_then_down(load: BurstTraffic, out: dict, sample, burst, tail
         await asyncio.sleep(0.5)
     out["seconds_to_max"] = round(time.time() - t_burst, 1) if out["timeline"][-1][1] >= max_replicas else None
     out["max_replicas_seen"] = max(n for _, n in out["timeline"])
-    await asyncio.sleep(5)  # the burst goes on a little at full size
+    await asyncio.sleep(10)  # the burst goes on a little at full size (and sends enough to count)
     load.stop_burst = True
     await asyncio.gather(*burst)
     t_down = time.time()

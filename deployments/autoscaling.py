@@ -24,8 +24,11 @@ measured); the rest is measured from the replicas or derived from those two (doc
               than the recurrence keeps the capacity, a longer silence is a trend and releases it.
               Replicas asked for, and the fleet found at the first call, are kept a start-up
     down      straight to the kept count, but only as far as 10% more load would still need (a band:
-              a need flickering at a threshold holds the higher count instead of flapping), and not
-              by less than max(1, sqrt(n) / 2) (noise) unless that halves the fleet
+              a need flickering at a threshold holds the higher count instead of flapping) at the
+              higher of the arrivals now and over the last bucket, and not by less than
+              max(1, sqrt(n) / 2) (noise) unless that halves the fleet
+    up        at once, except by less than sqrt(n) / 2 with nothing queued and no ramp adding a
+              replica (noise too)
 """
 from __future__ import annotations
 
@@ -180,8 +183,11 @@ class QueueDepthPolicy:
             # A band, not a line: going down only as far as 10% more load would still need (else a need
             # flickering at a threshold flaps the fleet down and up again a start-up later). The trend is
             # read again: _remember may have closed a bucket since (the real-Serve burst test needs it).
+            # The arrival estimate (completions + growth) dips while a backlog drains and replicas
+            # leave: a drop counts once the last whole bucket saw it too.
+            seen = max([arrivals] + [b[1] for b in s["memory"][-2:-1]])
             band = 1.0 + KEEP_TOLERANCE
-            desired = max(desired, min(target, self._need((arrivals + self._trend(s, startup)) * band,
+            desired = max(desired, min(target, self._need((seen + self._trend(s, startup)) * band,
                                                            load * band, mu, slots)))
             desired = max(desired, self._kept(s, now, startup, target, mu, slots))
             # Noise in what a fleet of n needs is about sqrt(n) (Poisson): a drop under half of that is
@@ -190,6 +196,9 @@ class QueueDepthPolicy:
                 desired = target
             if desired == 0 and target > 1:
                 desired = 1  # to zero only from one replica, as Serve's wrapper allows
+        elif target < desired < target + math.sqrt(target) / 2 and queued <= 0 and need == self._need(
+                arrivals, load, mu, slots):
+            desired = target  # the noise band holds both ways: nothing waits and no ramp adds a replica
         if desired > target:  # a replica asked for is bought: kept at least a start-up
             s["bought"] = (now, min(desired, hi))
         if desired > max(target, ready) and s.get("ask") is None and min(desired, hi) > max(target, ready):

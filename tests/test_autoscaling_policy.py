@@ -71,13 +71,15 @@ def measured(p, now=-1000.0):
 
 def replay(p, state, load, t0, t1, target=10, lo=1):
     """Ticks of 1 s from t0 to t1 at `load(t)` req/s over the ready replicas (5 running each while
-    busy, none full); replicas asked for run STARTUP s later. Returns {t: target} and the state."""
+    busy, none full; requests wait at the handles while the load is over what they do); replicas
+    asked for run STARTUP s later. Returns {t: target} and the state."""
     out, ready, landing = {}, target, None
     for t in range(t0, t1):
         if landing and t >= landing[0]:
             ready, landing = landing[1], None
         rps = load(t)
         n, state = p(ctx(target, ready=ready, running=[5.0 if rps else 0.0] * ready,
+                         handle_queued=1.0 if rps > ready * MU else 0.0,
                          finished=[rps / max(ready, 1)] * ready, now=float(t), state=state, lo=lo))
         if n > max(ready, target):
             landing = (t + STARTUP, n)
@@ -162,6 +164,37 @@ def test_a_need_flickering_at_a_threshold_holds_one_count_and_then_goes():
     tail = [out[t] for t in range(130, 400)]
     assert set(tail) == {2}, tail
     assert all(out[t] <= 1 for t in range(400 + int(STARTUP) + 10, 500))
+
+
+def _steady_fleet(p, rates, queued=lambda t: 0.0, target=100):
+    """Ticks of 1 s at rates[t] req/s over a fleet that lands at once (running = rate x 2 s, Little),
+    from the measured state; returns {t: target}. 197 req/s need 100 replicas, 201 need 102."""
+    state, out = measured(p), {}
+    for t, rps in enumerate(rates):
+        n, state = p(ctx(target, running=[rps * 2.0 / target] * target, finished=[rps / target] * target,
+                         handle_queued=queued(t), now=float(t), state=state, hi=200))
+        out[t], target = n, n
+    return out
+
+
+def test_a_rise_under_the_noise_band_waits_for_a_queue():
+    # 100 replicas at 197 req/s, then a rate swinging between 195 and 203 every 5 s (99 and 103
+    # replicas: within sqrt(100) / 2 of the fleet either way; never rising long enough to be a ramp).
+    rates = [197.0] * 60 + [199.0 + 4.0 * (-1) ** (t // 5) for t in range(60, 300)]
+    calm = _steady_fleet(policy(), rates)
+    assert set(calm.values()) == {100}, calm  # nothing waits: noise, not load
+    # The same with requests waiting from t = 200: more replicas at once.
+    queued = _steady_fleet(policy(), rates, queued=lambda t: 5.0 if t >= 200 else 0.0)
+    assert set(queued[t] for t in range(0, 200)) == {100} and all(queued[t] > 100 for t in range(201, 300)), queued
+
+
+def test_a_dip_in_the_arrival_estimate_is_not_a_drop_until_a_bucket_saw_it():
+    # Completions read low for 3 s across two 5 s buckets (a backlog drained, replicas left: the
+    # estimate dips, the load does not): the fleet holds its 100 instead of dropping and buying back.
+    rates = [197.0] * 123 + [120.0] * 3 + [197.0] * 60
+    out = _steady_fleet(policy(), rates)
+    # (Later, the climb back over five buckets reads as a ramp: a known limit of the ramp rule.)
+    assert set(out[t] for t in range(60, 150)) == {100}, out
 
 
 def test_kv_pressure_marks_a_replica_full_and_its_rate_is_mu():
