@@ -185,7 +185,8 @@ def test_a_rise_under_the_noise_band_waits_for_a_queue():
     assert set(calm.values()) == {100}, calm  # nothing waits: noise, not load
     # The same with requests waiting from t = 200: more replicas at once.
     queued = _steady_fleet(policy(), rates, queued=lambda t: 5.0 if t >= 200 else 0.0)
-    assert set(queued[t] for t in range(0, 200)) == {100} and all(queued[t] > 100 for t in range(201, 300)), queued
+    assert set(queued[t] for t in range(0, 200)) == {100}, queued
+    assert all(queued[t] > 100 for t in range(201, 300)), queued
 
 
 def test_a_dip_in_the_arrival_estimate_is_not_a_drop_until_a_bucket_saw_it():

@@ -198,7 +198,8 @@ def test_the_bursty_traces_load_a_start_up_ahead_is_unrelated_to_now_and_the_day
 
     assert abs(code.to_rate(10.0).lookahead_correlation(60.0)) < 0.15
     assert day_trace().lookahead_correlation(60.0) > 0.9
-    assert abs(syn.on_off_bursts(3600, 2.0, on_s=10, off_s=120, seed=1).to_rate(10.0).lookahead_correlation(60.0)) < 0.15
+    mmpp = syn.on_off_bursts(3600, 2.0, on_s=10, off_s=120, seed=1)
+    assert abs(mmpp.to_rate(10.0).lookahead_correlation(60.0)) < 0.15
 
 
 def test_mmpp_is_idle_most_of_the_time_and_bursts_far_above_poisson():
