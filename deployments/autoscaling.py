@@ -179,6 +179,9 @@ class QueueDepthPolicy:
             # start-up on top of the arrival rate (re-estimated every tick from the queue now, not its
             # projection: a burst may end before the replicas land).
             desired = max(desired, self._need(arrivals + queued / startup, 0.0, mu, None))
+        # Noise in what a fleet of n needs is about sqrt(n) (Poisson): a change under half of that is
+        # not one, either way (a whole replica at least).
+        noise = max(1.0, math.sqrt(target) / 2)
         if desired < target:
             # A band, not a line: going down only as far as 10% more load would still need (else a need
             # flickering at a threshold flaps the fleet down and up again a start-up later). The trend is
@@ -190,15 +193,12 @@ class QueueDepthPolicy:
             desired = max(desired, min(target, self._need((seen + self._trend(s, startup)) * band,
                                                            load * band, mu, slots)))
             desired = max(desired, self._kept(s, now, startup, target, mu, slots))
-            # Noise in what a fleet of n needs is about sqrt(n) (Poisson): a drop under half of that is
-            # not one; halving the fleet always is.
-            if target - desired < max(1, math.sqrt(target) / 2) and desired > target / 2:
+            if target - desired < noise and desired > target / 2:  # halving the fleet is never noise
                 desired = target
             if desired == 0 and target > 1:
                 desired = 1  # to zero only from one replica, as Serve's wrapper allows
-        elif target < desired < target + math.sqrt(target) / 2 and queued <= 0 and need == self._need(
-                arrivals, load, mu, slots):
-            desired = target  # the noise band holds both ways: nothing waits and no ramp adds a replica
+        elif 0 < desired - target < noise and queued <= 0 and need == self._need(arrivals, load, mu, slots):
+            desired = target  # a rise within the noise: nothing waits and no ramp adds a replica
         if desired > target:  # a replica asked for is bought: kept at least a start-up
             s["bought"] = (now, min(desired, hi))
         if desired > max(target, ready) and s.get("ask") is None and min(desired, hi) > max(target, ready):

@@ -10,6 +10,7 @@ import pytest
 from cluster import synthetic_traces as syn
 from cluster.request_traces import (RequestTrace, bundled, load_request_trace, prompt_token_ids,
                                     write_request_trace)
+from cluster.traces import day_trace
 
 VOCAB = (17, 49152)  # SmolLM2's ordinary text tokens
 
@@ -194,8 +195,6 @@ def _poisson(mean_rps, duration_s, seed=0):
 def test_the_bursty_traces_load_a_start_up_ahead_is_unrelated_to_now_and_the_days_is_not(code):
     # What bounds any online autoscaler on a trace (docs/autoscaling.md): the bursty public trace's
     # rate 60 s ahead is uncorrelated with now (measured 0.05), the day's follows it.
-    from cluster.traces import day_trace
-
     assert abs(code.to_rate(10.0).lookahead_correlation(60.0)) < 0.15
     assert day_trace().lookahead_correlation(60.0) > 0.9
     mmpp = syn.on_off_bursts(3600, 2.0, on_s=10, off_s=120, seed=1)
