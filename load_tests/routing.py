@@ -25,10 +25,12 @@ import random
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from batcher.simulated import preset_for
 from cluster.local_serve import local_serve
 from load_tests.bench_client import BenchRecord, BenchRequest, Target, run_load
 from load_tests.bench_metrics import summarize as summarize_load
 from load_tests.routing_trace import TraceWorkload, trace_workload
+from router.scoring import EngineShape, prefill_rate
 
 ROUTERS = {
     "serve-default": None,
@@ -37,6 +39,7 @@ ROUTERS = {
 }
 WORKLOADS = ("shared", "skew", "unique", "trace")
 CHATS = ("shared", "skew", "unique")  # the default workloads (trace: `--workloads trace`)
+SHAPE = EngineShape(block_size=8, max_num_batched_tokens=2048, max_num_seqs=64)  # every fleet's engine
 _WORDS = ("data model serve token cache route replica batch queue stream system user answer engine "
           "prompt prefix block memory latency request cluster policy scale shard node tensor").split()
 
@@ -107,8 +110,8 @@ def app_config(args, router_class: Optional[str], replicas: int) -> dict:
     if router_class == ROUTERS["llm-router"] and args.llm_router_kwargs:
         router["request_router_kwargs"] = json.loads(args.llm_router_kwargs)
     kv_blocks = args.trace_kv_blocks if args.workloads == ["trace"] else args.kv_blocks
-    return {"engine": {"model": f"sim:{args.preset}", "num_kv_blocks": kv_blocks, "max_num_seqs": 64,
-                       "max_num_batched_tokens": 2048},
+    return {"engine": {"model": f"sim:{args.preset}", "num_kv_blocks": kv_blocks, "max_num_seqs": SHAPE.max_num_seqs,
+                       "max_num_batched_tokens": SHAPE.max_num_batched_tokens},
             "replica": {"num_replicas": replicas, "max_ongoing_requests": 256},
             "stream": {"interval_ms": 20, "max_chunks_per_s": 25}, "router": router}
 
@@ -116,7 +119,7 @@ def app_config(args, router_class: Optional[str], replicas: int) -> dict:
 def trace_of(args) -> TraceWorkload:
     return trace_workload(args.trace, args.trace_start_s, args.trace_window_s, args.trace_speedup, args.trace_rate,
                           args.trace_token_scale, args.trace_output_scale, args.trace_max_output,
-                          args.trace_max_prompt, block_size=8, seed=args.seed)
+                          args.trace_max_prompt, block_size=SHAPE.block_size, seed=args.seed)
 
 
 def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str) -> Dict[str, Dict[str, dict]]:
@@ -141,6 +144,7 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str) -> Di
             results.setdefault(kind, {})[name] = summarize(result.records, result.duration_s, replicas)
             if trace is not None and kind == "trace":
                 results[kind][name]["infinite_cache_share"] = trace.infinite_cache_share
+                results[kind][name]["prefill_load"] = prefill_load(trace, args.preset, replicas)
             print(f"  {replicas} replicas, {name:20s} {kind:7s} {results[kind][name]}", flush=True)
         serve.delete(app)
     return results
@@ -173,6 +177,14 @@ def targets(kind: str, by_router: Dict[str, dict]) -> List[tuple]:
     return checks
 
 
+def prefill_load(trace: TraceWorkload, preset: str, replicas: int) -> float:
+    """The share of the fleet's prefill capacity (full steps of prompt tokens, by the preset's model)
+    the trace takes even with an infinite cache: how busy it keeps the replicas, the same measure on
+    every preset."""
+    step = preset_for(f"sim:{preset}").step
+    return trace.description["uncached_prompt_tokens_per_s"] / (replicas * prefill_rate(step, SHAPE))
+
+
 def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> List[dict]:
     print(f"\nSIMULATED fleets (sim:{preset}: step-time model, not a real GPU)")
     print(f"{'replicas':>8} {'workload':8} {'router':20} {'cached':>7} {'of inf.':>7} {'TTFT p50':>9} {'TTFT p90':>9} "
@@ -188,6 +200,11 @@ def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> L
                       f"{m['ttft_ms_p90']:>7.0f}ms {m['ttft_ms_p99']:>7.0f}ms {m['output_tokens_per_s']:>9.0f} {imb:>8} "
                       f"{m['failed']:>6}")
             checks += [(n, kind, what, met) for what, met in targets(kind, by_router)]
+    for n, by_kind in all_results.items():
+        load = next((m["prefill_load"] for m in by_kind.get("trace", {}).values()), None)
+        if load is not None:
+            print(f"trace on {n} replicas: its uncached prompt tokens, even with an infinite cache, take "
+                  f"{load:.0%} of the fleet's prefill capacity (full steps, sim:{preset}'s model)")
     print("\ntargets (llm-router):")
     for n, kind, what, met in checks:
         print(f"  {n} replicas, {kind:7s} {what:48s} {'met' if met else 'MISSED'}")

@@ -55,7 +55,9 @@ def trace_workload(name: str, start_s: float, window_s: float, speedup: float, r
     prompts = [prompt_token_ids(trace, i, TOKEN_RANGE, token_scale, seed)[:max_prompt] for i in range(len(trace))]
     outputs = [max(1, min(max_output, round(int(n) * output_scale))) for n in trace.output_tokens]
     requests = [BenchRequest(prompt=p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, outputs)]
-    description = {**trace.describe(), "prompt_tokens_mean": sum(map(len, prompts)) / max(1, len(prompts)),
-                   "output_tokens_mean": sum(outputs) / max(1, len(outputs)), "token_scale": token_scale}
-    return TraceWorkload(requests, [float(t) for t in trace.t_s], infinite_cache_share(prompts, block_size),
-                         description)
+    share, prompt_tokens = infinite_cache_share(prompts, block_size), sum(map(len, prompts))
+    description = {**trace.describe(), "prompt_tokens_mean": prompt_tokens / max(1, len(prompts)),
+                   "output_tokens_mean": sum(outputs) / max(1, len(outputs)), "token_scale": token_scale,
+                   # What any fleet must prefill even with an infinite cache: how busy the trace keeps it.
+                   "uncached_prompt_tokens_per_s": (1 - share) * prompt_tokens / max(1e-9, trace.duration_s)}
+    return TraceWorkload(requests, [float(t) for t in trace.t_s], share, description)
