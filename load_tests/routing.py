@@ -110,8 +110,8 @@ def app_config(args, router_class: Optional[str], replicas: int) -> dict:
     if router_class == ROUTERS["llm-router"] and args.llm_router_kwargs:
         router["request_router_kwargs"] = json.loads(args.llm_router_kwargs)
     kv_blocks = args.trace_kv_blocks if args.workloads == ["trace"] else args.kv_blocks
-    return {"engine": {"model": f"sim:{args.preset}", "num_kv_blocks": kv_blocks, "max_num_seqs": SHAPE.max_num_seqs,
-                       "max_num_batched_tokens": SHAPE.max_num_batched_tokens},
+    return {"engine": {"model": f"sim:{args.preset}", "num_kv_blocks": kv_blocks, "block_size": SHAPE.block_size,
+                       "max_num_seqs": SHAPE.max_num_seqs, "max_num_batched_tokens": SHAPE.max_num_batched_tokens},
             "replica": {"num_replicas": replicas, "max_ongoing_requests": 256},
             "stream": {"interval_ms": 20, "max_chunks_per_s": 25}, "router": router}
 
@@ -122,11 +122,11 @@ def trace_of(args) -> TraceWorkload:
                           args.trace_max_prompt, block_size=SHAPE.block_size, seed=args.seed)
 
 
-def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str) -> Dict[str, Dict[str, dict]]:
+def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
+              trace: Optional[TraceWorkload]) -> Dict[str, Dict[str, dict]]:
     from ray import serve
 
     results: Dict[str, Dict[str, dict]] = {}
-    trace = trace_of(args) if "trace" in args.workloads else None
     for name, application in apps.items():
         app = f"route{replicas}{name.replace('-', '')}"
         serve.run(application, name=app, route_prefix=f"/{app}")
@@ -259,12 +259,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     # process: serializing a router class after that failed here (cloudpickle met an asyncio.Future).
     apps = {n: {name: build_app(app_config(args, ROUTERS[name], n)) for name in args.routers} for n in fleets}
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
+    trace = trace_of(args) if "trace" in args.workloads else None  # built once: hashing every prompt
     with local_serve(num_cpus=2, logging_level="ERROR") as server:
-        results = {n: run_fleet(args, n, apps[n], server.url) for n in fleets}
+        results = {n: run_fleet(args, n, apps[n], server.url, trace) for n in fleets}
     checks = report(results, args.preset)
     out = {"simulated": f"sim:{args.preset}", "args": vars(args), "results": results, "targets": checks}
-    if "trace" in args.workloads:
-        out["trace"] = trace_of(args).description
+    if trace is not None:
+        out["trace"] = trace.description
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     return out
