@@ -10,7 +10,9 @@ HTTP, streaming chat with usage:
 - unique: one-turn chats with a prompt of their own (nothing to share);
 - trace:  a public production trace with prefix block ids (Mooncake's conversation trace), replayed
           at its arrival times (a window, time- and rate-scaled, token-scaled) over the completions
-          API (load_tests.routing_trace), with what an infinite prefix cache would reach on it.
+          API (load_tests.routing_trace), with what an infinite prefix cache would reach on it, and
+          each router's decisions replayed through the step-time model without Serve, beside
+          LLMRouter's scoring with exact loads (load_tests.routing_replay: decisions apart from plumbing).
 Reports cached-token share, TTFT p50/p90/p99, failures, output tokens/s and the time-weighted max/mean of in-flight
 requests per replica (from the X-Iterserve-Replica header of each answer); writes JSON. Bounded: fixed sessions
 (users per replica x fleet size), a timeout per request. The client is the load generator's (load_tests.bench_client).
@@ -29,6 +31,7 @@ from batcher.simulated import preset_for
 from cluster.local_serve import local_serve
 from load_tests.bench_client import BenchRecord, BenchRequest, Target, run_load
 from load_tests.bench_metrics import summarize as summarize_load
+from load_tests.routing_replay import trace_replays
 from load_tests.routing_trace import TraceWorkload, trace_workload
 from router.scoring import EngineShape, prefill_rate
 
@@ -145,6 +148,11 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
             if trace is not None and kind == "trace":
                 results[kind][name]["infinite_cache_share"] = trace.infinite_cache_share
                 results[kind][name]["prefill_load"] = prefill_load(trace, args.preset, replicas)
+                replica_of = {r.index: r.headers.get(REPLICA_HEADER) for r in result.records if r.ok}
+                results[kind][name].update(trace_replays(
+                    [r.prompt for r in trace.requests], [r.max_tokens for r in trace.requests], trace.arrivals,
+                    [replica_of.get(i) for i in range(len(trace.requests))], preset_for(f"sim:{args.preset}").step,
+                    SHAPE, replicas))
             print(f"  {replicas} replicas, {name:20s} {kind:7s} {results[kind][name]}", flush=True)
         serve.delete(app)
     return results
@@ -201,10 +209,18 @@ def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> L
                       f"{m['failed']:>6}")
             checks += [(n, kind, what, met) for what, met in targets(kind, by_router)]
     for n, by_kind in all_results.items():
-        load = next((m["prefill_load"] for m in by_kind.get("trace", {}).values()), None)
+        trace = by_kind.get("trace", {})
+        load = next((m["prefill_load"] for m in trace.values()), None)
         if load is not None:
             print(f"trace on {n} replicas: its uncached prompt tokens, even with an infinite cache, take "
                   f"{load:.0%} of the fleet's prefill capacity (full steps, sim:{preset}'s model)")
+            exact = next(iter(trace.values()))
+            print(f"  TTFT of the routers' decisions replayed through sim:{preset}'s step-time model, no Serve "
+                  f"(load_tests.routing_replay; a MODEL): " + ", ".join(
+                      f"{name} p50 {m['modelled_ttft_ms_p50']:.0f} / p90 {m['modelled_ttft_ms_p90']:.0f} ms"
+                      for name, m in trace.items() if "modelled_ttft_ms_p90" in m)
+                  + f"; LLMRouter's scoring with exact loads p50 {exact['exact_loads_ttft_ms_p50']:.0f} / "
+                    f"p90 {exact['exact_loads_ttft_ms_p90']:.0f} ms")
     print("\ntargets (llm-router):")
     for n, kind, what, met in checks:
         print(f"  {n} replicas, {kind:7s} {what:48s} {'met' if met else 'MISSED'}")

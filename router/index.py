@@ -59,6 +59,26 @@ class PrefixIndex:
             if n == 0:
                 self._owners.setdefault(h, set()).add(replica)
 
+    def confirm(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
+        """One request's claim of `hashes` on `replica` becomes cached blocks there: `insert` then
+        `release` in one pass (the claimed blocks stay owned instead of being disowned and re-owned)."""
+        blocks = self._blocks.setdefault(replica, OrderedDict())
+        claims = self._claims.get(replica, {})
+        for h in reversed(hashes):  # the root ends up most recent, as in insert
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+                self._owners.setdefault(h, set()).add(replica)
+            n = claims.get(h, 0)
+            if n > 1:
+                claims[h] = n - 1
+            elif n == 1:
+                del claims[h]
+        if not claims:
+            self._claims.pop(replica, None)
+        self._evict(replica)
+
     def release(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
         """Undoes one `claim(replica, hashes)`; blocks cached or claimed by others stay."""
         claims = self._claims.get(replica)

@@ -124,14 +124,14 @@ class RequestLedger:
         if entry is None:
             return None
         hashes = entry.request.hashes
-        if entry.replica == replica:
-            if not entry.confirmed:
-                self.index.release(replica, hashes)
-        elif entry.replica is not None:  # Serve sent it elsewhere than the first choice
-            self._leave(key, entry)
-            self._enter(key, entry, replica, cached_tokens or 0, now)
-        # (else it completed before this confirmation came, a short request: it counts nowhere)
-        self.index.insert(replica, hashes)
+        if entry.replica == replica and not entry.confirmed:
+            self.index.confirm(replica, hashes)  # its claim there becomes cached blocks
+        else:
+            if entry.replica is not None and entry.replica != replica:  # Serve sent it elsewhere
+                self._leave(key, entry)
+                self._enter(key, entry, replica, cached_tokens or 0, now)
+            # (with no replica, it completed before this confirmation came, a short request: it counts nowhere)
+            self.index.insert(replica, hashes)
         entry.confirmed = True
         if entry.replica is not None:
             entry.since = now

@@ -31,10 +31,10 @@ from router.cost_model import FleetStepTimes, coefficients, learned_step
 from router.index import PrefixIndex
 from router.ledger import HashedRequest, RequestLedger
 from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, RoutingRequest, adapter_costs, fleet_loads,
-                            own_load, prefill_rate, replica_load, score_replicas, stale_rows)
+                            load_row, own_load, prefill_rate, replica_load, score_replicas, stale_rows)
 
 _TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
-_NO_LOAD = (-math.inf, 0.0, 0.0, 0.0, math.nan)  # a load row that is never fresh
+_NO_LOAD = (-math.inf, -math.inf, 0.0, 0.0, 0.0, math.nan)  # a load row (scoring.load_row) that is never fresh
 
 
 class LLMRouter(RequestRouter):
@@ -112,7 +112,7 @@ class LLMRouter(RequestRouter):
         cfg = self.config
         rids = [r.replica_id.unique_id for r in candidates]  # str keys: ReplicaID hashes in Python, 10x slower
         rows = np.array([self._row(rid, r.routing_stats) for rid, r in zip(rids, candidates)], dtype=float)
-        load_rows, step_rows, busy = rows[:, :5], rows[:, 5:9], rows[:, 9]
+        load_rows, step_rows, busy = rows[:, :6], rows[:, 6:10], rows[:, 10]
         # Each replica's step times as it measured them; a stale report's are unknown: the prior.
         stale = stale_rows(load_rows, now, cfg.max_stats_age_s)
         step_rows[stale] = self._prior
@@ -164,10 +164,13 @@ class LLMRouter(RequestRouter):
             peaks.popleft()
         return peaks[0][1]
 
-    def load(self, rid: str, stats: Optional[dict]) -> Optional[ReplicaLoad]:
-        """Replica `rid`'s load as of its report `stats` (None: no report), this router's requests applied."""
+    def load(self, rid: str, stats: Optional[dict], prefill_tokens_per_s: Optional[float] = None) -> Optional[ReplicaLoad]:
+        """Replica `rid`'s load as of its report `stats` (None: no report), this router's requests applied;
+        its prefill rate, unless given, from the step times the report implies."""
+        if prefill_tokens_per_s is None:
+            prefill_tokens_per_s = float(prefill_rate(self.step_times(stats), self.shape))
         return replica_load(self._report(rid, stats), self.ledger.inflight(rid), self.ledger.completed(rid),
-                            self.shape.block_size)
+                            self.shape.block_size, prefill_tokens_per_s)
 
     def step_times(self, stats: Optional[dict]):
         """The step-time model a replica's report `stats` implies: its measurements (`step_fit`)
@@ -185,11 +188,11 @@ class LLMRouter(RequestRouter):
         version = self.ledger.version(rid)
         if cached is not None and cached[0] is stats and cached[1] == version:
             return cached[2]
-        load = self.load(rid, stats) if report is not None else None
         steps = cached[3] if cached is not None and cached[0] is stats else (
             coefficients(self.step_times(stats)) + (((stats or {}).get("step_fit") or {}).get("busy", math.nan),))
-        row = (_NO_LOAD if load is None else (
-            load.time_s, load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free)) + steps
+        load = None if report is None else self.load(
+            rid, stats, float(prefill_rate(FleetStepTimes.of([steps[:4]]), self.shape)[0]))
+        row = (_NO_LOAD if load is None else load_row(load)) + steps
         self._rows[rid] = (stats, version, row, steps)
         return row
 

@@ -86,7 +86,12 @@ class ReplicaLoad:
     batch: float  # sequences running or about to join the batch
     context_tokens: float
     kv_blocks_free: Optional[float]  # None: unknown
-    time_s: float = field(default=0.0)  # when queued_prefill_tokens was true (the report's time)
+    time_s: float = field(default=0.0)  # the report's time (how fresh the load is)
+    queued_at: Optional[float] = None  # when queued_prefill_tokens was true (None: at time_s)
+
+    @property
+    def queued_since(self) -> float:
+        return self.time_s if self.queued_at is None else self.queued_at
 
 
 @dataclass(frozen=True)
@@ -104,27 +109,41 @@ def counted_in(report: Report, r: Routed) -> bool:
     return r.routed_at <= report.time_s and (r.completed_at is None or r.completed_at > report.time_s)
 
 
+def prefill_backlog(tokens: float, since: float, sends: Iterable[Routed], prefill_tokens_per_s) -> Tuple[float, float]:
+    """A replica's prefill left just after the last of `sends`, and when that was: `tokens` queued at
+    `since`, then each request's uncached tokens added, in the order sent, onto what the work done
+    since the one before left (a FIFO queue: Lindley's recursion, never below empty). Decaying the
+    sum from `since` instead counts the time a replica sat idle as work done: a prompt sent to a
+    replica whose queue had run dry vanishes from its load within one report's age."""
+    last = since
+    for r in sorted(sends, key=lambda r: r.routed_at):
+        if r.routed_at > last:
+            tokens, last = max(0.0, tokens - (r.routed_at - last) * prefill_tokens_per_s), r.routed_at
+        tokens += r.uncached_tokens
+    return tokens, last
+
+
 def replica_load(report: Optional[Report], inflight: Iterable[Routed], completed: Iterable[Routed],
-                 block_size: int) -> Optional[ReplicaLoad]:
+                 block_size: int, prefill_tokens_per_s: float) -> Optional[ReplicaLoad]:
     """The report corrected by this router's own knowledge: requests in flight it does not count
-    yet are added; requests it counts that have completed since are taken out (and only those: a
-    completion a later report already reflects is not subtracted twice). None without a report."""
+    yet are added (their prefill queued behind the report's, prefill_backlog); requests it counts
+    that have completed since are taken out (and only those: a completion a later report already
+    reflects is not subtracted twice). None without a report."""
     if report is None:
         return None
-    queued, batch, context, kv_free = (report.queued_prefill_tokens, report.running + report.waiting,
-                                       report.context_tokens, report.kv_blocks_free)
-    for r in inflight:
-        if not counted_in(report, r):
-            queued += r.uncached_tokens
-            batch += 1
-            context += r.prompt_tokens
-            kv_free -= -(-r.uncached_tokens // block_size)
+    batch, context, kv_free = report.running + report.waiting, report.context_tokens, report.kv_blocks_free
+    sent = [r for r in inflight if not counted_in(report, r)]
+    for r in sent:
+        batch += 1
+        context += r.prompt_tokens
+        kv_free -= -(-r.uncached_tokens // block_size)
     for r in completed:
         if counted_in(report, r):
             batch -= 1
             context -= r.prompt_tokens
             kv_free += -(-r.prompt_tokens // block_size)
-    return ReplicaLoad(queued, max(0, batch), max(0, context), kv_free, report.time_s)
+    queued, at = prefill_backlog(report.queued_prefill_tokens, report.time_s, sent, prefill_tokens_per_s)
+    return ReplicaLoad(queued, max(0, batch), max(0, context), kv_free, report.time_s, at)
 
 
 def prefill_rate(step: StepTimes, shape: EngineShape):
@@ -135,11 +154,11 @@ def prefill_rate(step: StepTimes, shape: EngineShape):
 
 def own_load(inflight: Sequence[Routed], now: float, prefill_tokens_per_s: float) -> ReplicaLoad:
     """What this router alone knows of a replica: its own in-flight requests, their prefill
-    assumed done at the replica's rate since they were sent."""
-    return ReplicaLoad(
-        queued_prefill_tokens=sum(max(0.0, r.uncached_tokens - (now - r.routed_at) * prefill_tokens_per_s)
-                                  for r in inflight),
-        batch=len(inflight), context_tokens=sum(r.prompt_tokens for r in inflight), kv_blocks_free=None, time_s=now)
+    done in order at the replica's rate since they were sent."""
+    queued, at = prefill_backlog(0.0, -math.inf, inflight, prefill_tokens_per_s)
+    return ReplicaLoad(queued_prefill_tokens=max(0.0, queued - (now - at) * prefill_tokens_per_s) if inflight else 0.0,
+                       batch=len(inflight), context_tokens=sum(r.prompt_tokens for r in inflight), kv_blocks_free=None,
+                       time_s=now)
 
 
 @dataclass
@@ -151,25 +170,26 @@ class FleetLoads:
     context: np.ndarray
     kv_free: np.ndarray  # NaN: unknown
 
-    @classmethod
-    def of(cls, loads: Sequence[ReplicaLoad]) -> "FleetLoads":
-        return cls(*(np.array(c, dtype=float) for c in zip(*[
-            (l.queued_prefill_tokens, l.batch, l.context_tokens,
-             math.nan if l.kv_blocks_free is None else l.kv_blocks_free) for l in loads])))
-
 
 def stale_rows(rows: np.ndarray, now: float, max_age_s: float) -> np.ndarray:
     """Which rows (time_s first) have no report fresher than `max_age_s`: unknown, never idle."""
     return now - rows[:, 0] > max_age_s
 
 
+def load_row(load: ReplicaLoad) -> Tuple[float, ...]:
+    """A load as one row of the numbers fleet_loads reads."""
+    return (load.time_s, load.queued_since, load.queued_prefill_tokens, load.batch, load.context_tokens,
+            math.nan if load.kv_blocks_free is None else load.kv_blocks_free)
+
+
 def fleet_loads(rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_per_s,
                 own: Callable[[int], ReplicaLoad]) -> FleetLoads:
-    """Columns from cached rows (time_s, queued, batch, context, kv_free; time_s = -inf: no report),
-    the queued prefill decayed to `now`. A replica without a fresh report is assumed at least as
-    loaded as the fleet's average known replica and as what this router sent it (`own(i)`), never idle."""
-    t, queued, batch, context, kv_free = rows.T
-    queued = np.maximum(0.0, queued - (now - t) * prefill_tokens_per_s)
+    """Columns from cached rows (load_row: time_s, queued since, queued, batch, context, kv_free;
+    time_s = -inf: no report), the queued prefill decayed to `now`. A replica without a fresh report
+    is assumed at least as loaded as the fleet's average known replica and as what this router sent
+    it (`own(i)`), never idle."""
+    t, since, queued, batch, context, kv_free = rows.T
+    queued = np.maximum(0.0, queued - (now - since) * prefill_tokens_per_s)
     stale = stale_rows(rows, now, max_age_s)
     if stale.any():
         fresh = ~stale

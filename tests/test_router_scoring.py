@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from batcher.simulated import PRESETS
-from router.scoring import ReplicaLoad, Report, Routed, fleet_loads, replica_load
+from router.scoring import ReplicaLoad, Report, Routed, fleet_loads, load_row, own_load, prefill_backlog, replica_load
 from tests.router_harness import BS, SYSTEM, blocks, make_router, pending, replica, request, serving  # noqa: F401
 
 H100 = PRESETS["h100-llama3-8b"]
@@ -72,8 +72,8 @@ def test_calls_that_are_not_generations_reach_every_replica_even_full_ones():
 
 def test_stale_reports_count_as_unknown_not_idle():
     now = time.time()
-    busy = (now, 3000, 40, 20_000, 100)
-    rows = np.array([(now - 30, 0, 0, 0, 10_000), busy, busy], dtype=float)
+    busy = (now, now, 3000, 40, 20_000, 100)
+    rows = np.array([(now - 30, now - 30, 0, 0, 0, 10_000), busy, busy], dtype=float)
     filled = fleet_loads(rows, now, max_age_s=5, prefill_tokens_per_s=0, own=lambda i: ReplicaLoad(0, 0, 0, None))
     assert filled.batch[0] == 40 and filled.queued[0] == 3000  # the fleet's mean, not 0
     assert np.isnan(filled.kv_free[0])  # unknown, not the stale report's free blocks
@@ -90,12 +90,37 @@ def test_requests_routed_after_a_report_count_on_top_of_it():
     report = Report(time_s=now - 0.5, waiting=1, running=2, queued_prefill_tokens=100, context_tokens=300,
                     kv_blocks_free=50, kv_blocks_total=64)
     inflight = [Routed(now - 1.0, 64, 64), Routed(now - 0.1, 80, 40)]  # the first is in the report already
-    load = replica_load(report, inflight, [], block_size=BS)
+    load = replica_load(report, inflight, [], block_size=BS, prefill_tokens_per_s=0)
     assert (load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free) == (140, 4, 380, 45)
     # As of now: less 0.5 s of prefill at 100 tokens/s since the report.
-    row = np.array([(load.time_s, load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free)])
-    now_load = fleet_loads(row, now, max_age_s=5, prefill_tokens_per_s=100, own=None)
+    load = replica_load(report, inflight, [], block_size=BS, prefill_tokens_per_s=100)
+    now_load = fleet_loads(np.array([load_row(load)]), now, max_age_s=5, prefill_tokens_per_s=100, own=None)
     assert now_load.queued[0] == pytest.approx(90)
+
+
+def test_a_prompt_sent_after_the_queue_ran_dry_is_not_worked_off_by_the_idle_time():
+    """The replica reported 100 tokens queued 1 s ago and prefills 1000 a second: it was idle 0.9 s
+    later, when this router sent it a 2000-token prompt. Now, 0.1 s after that, 1900 tokens are left.
+    Decaying everything from the report's time counted the idle 0.9 s as work done (1100 left)."""
+    now = time.time()
+    report = Report(time_s=now - 1.0, waiting=1, running=0, queued_prefill_tokens=100, context_tokens=100,
+                    kv_blocks_free=500, kv_blocks_total=500)
+    load = replica_load(report, [Routed(now - 0.1, 2000, 2000)], [], block_size=BS, prefill_tokens_per_s=1000)
+    now_load = fleet_loads(np.array([load_row(load)]), now, max_age_s=5, prefill_tokens_per_s=1000, own=None)
+    assert now_load.queued[0] == pytest.approx(1900)
+    # Two prompts sent back to back queue one behind the other: their sum, less the time since the first.
+    sends = [Routed(now - 0.2, 500, 500), Routed(now - 0.1, 800, 800)]
+    assert prefill_backlog(0.0, now - 1.0, sends, 1000) == (pytest.approx(1200), now - 0.1)
+    assert own_load(sends, now, 1000).queued_prefill_tokens == pytest.approx(1100)
+    # The router ranks by it. Both replicas reported empty queues a second ago; since then this router
+    # sent `a` a 20,000-token prompt (0.7 s of prefill on the H100 prior), 0.1 s ago. `b` runs two
+    # long conversations, so only `a`'s queue can make `b` the better choice; decayed from the
+    # report's time, that queue was gone.
+    router = make_router()
+    reps = [replica("a", now, age_s=1.0), replica("b", now, age_s=1.0, running=2, context_tokens=2 * 12_000)]
+    router.ledger.chosen("k1", "a", router.prepare(request(list(range(20_000)), "long")), 0, now - 0.1)
+    router.ledger.routed("k1", "a", None, now - 0.1)
+    assert router.score(reps, router.prepare(request(list(range(50_000, 50_600)))), now)[0].replica == "b"
 
 
 def test_a_completion_after_the_report_is_taken_out_once(serving):
@@ -141,10 +166,10 @@ def test_the_loaded_row_follows_routing_and_completion(serving):
     other = router.prepare(request(list(range(5000, 5400)), "y"))  # no prefix in common: load decides
     assert len(router.score(reps, other, now)) == 2
     assert serve.route(request(list(range(400)), "x"), "k", to="a") == "a"
-    assert router._row("a", reps[0].routing_stats)[2] == 1
+    assert router._row("a", reps[0].routing_stats)[3] == 1  # the batch column (scoring.load_row)
     assert router.score(reps, other, now)[0].replica == "b"
     serve.complete("k", "a")
-    assert router._row("a", reps[0].routing_stats)[2] == 0
+    assert router._row("a", reps[0].routing_stats)[3] == 0
 
 
 def test_affinity_margin_lets_a_somewhat_busier_holder_keep_the_conversation():

@@ -70,6 +70,18 @@ def test_llm_router_hashes_blocks_as_the_engine_caches_them():
     assert gpu["request_router_config"].request_router_kwargs["cost_model"] == "h100-llama3-8b"
 
 
+def test_with_a_router_of_its_own_the_ingress_routes_on_its_event_loop():
+    """LLMRouter's decisions are CPU work: they run on the ingress's loop, not in a thread of their own
+    contending for the GIL with it (docs/routing.md); Serve's own router keeps Serve's default."""
+    def ingress_env(args):
+        options = build_app(args)._bound_deployment.ray_actor_options
+        return options.get("runtime_env", {}).get("env_vars", {})
+
+    assert ingress_env({"router": {"request_router_class": "router:LLMRouter"}}) == {
+        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+    assert "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP" not in ingress_env({})
+
+
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
 def test_shipped_serve_configs_build_their_app(name):
     """What `serve run` / `serve deploy` does with the file, short of starting replicas: Serve's schema,

@@ -1,0 +1,168 @@
+"""What a router's decisions cost in engine time, apart from Serve's plumbing: the trace's requests
+replayed through the preset's step-time model on the replicas they were sent to.
+
+`python -m load_tests.routing` measures TTFT at the client: the engine's queueing and prefill plus
+every hop through Serve (proxy, ingress, handle, replica), which on a 2-core machine under load is
+tens of milliseconds and noisy. To tell a router's decisions from that, each request is replayed at
+its arrival time on the replica the router chose (the answer's X-Iterserve-Replica header) through a
+model of the engine: each step decodes the running sequences, then prefills waiting prompts in
+arrival order in chunks up to max_num_batched_tokens (at most max_num_seqs sequences), timed by the
+preset's step-time model; a replica caches every prompt it has computed (the benchmark gives the
+trace's prefixes room). A request's first token comes at the end of the step computing its prompt's
+last chunk. The same replay with LLMRouter's scoring fed the model's exact loads (`exact_loads`) is
+the yardstick: where its decisions would be with perfect information. A model, not a measurement.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, List, Optional, Sequence, Set
+
+import numpy as np
+
+from batcher.block_hash import cacheable_block_hashes, root_hash
+from batcher.simulated import StepTimeModel
+from router.config import LLMRouterConfig
+from router.scoring import EngineShape, FleetLoads, RoutingRequest, score_replicas
+
+
+@dataclass
+class ReplicaModel:
+    """One replica's engine in the replay: prompts waiting [request, tokens left to prefill], sequences
+    decoding [request, tokens left to generate, context], the block hashes it has computed."""
+
+    waiting: Deque[list] = field(default_factory=deque)
+    running: List[list] = field(default_factory=list)
+    cached: Set[bytes] = field(default_factory=set)
+    stepping: bool = False
+    busy_s: float = 0.0  # time spent stepping
+
+    def queued_tokens(self) -> float:
+        return float(sum(w[1] for w in self.waiting))
+
+
+@dataclass
+class Replay:
+    ttft_s: List[float]
+    cached_tokens: List[int]
+
+    def ttft_ms(self, q: float) -> float:
+        return float(np.percentile(self.ttft_s, q) * 1000)
+
+
+Chooser = Callable[[int, List[ReplicaModel], List[int], float], int]  # (request, fleet, hits, now) -> replica
+
+
+def replay(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
+           choose: Chooser, step: StepTimeModel, shape: EngineShape, replicas: int) -> Replay:
+    """Each request, at its arrival, on the replica `choose` names, through the engine model."""
+    root = root_hash("replay")
+    hashes = [cacheable_block_hashes(p, shape.block_size, root) for p in prompts]
+    fleet = [ReplicaModel() for _ in range(replicas)]
+    ttft: List[float] = [math.nan] * len(prompts)
+    cached = [0] * len(prompts)
+    events = [(t, 1, i) for i, t in enumerate(arrivals)]  # (time, 0: a step ends / 1: arrival, index)
+    heapq.heapify(events)
+    steps = {}
+
+    def start_step(k: int, now: float) -> None:
+        rep = fleet[k]
+        decode = rep.running[:shape.max_num_seqs]
+        budget, chunks, seqs = shape.max_num_batched_tokens - len(decode), [], len(decode)
+        for w in rep.waiting:
+            if budget <= 0 or seqs >= shape.max_num_seqs:
+                break
+            n = min(budget, w[1])
+            chunks.append((w, n))
+            budget, seqs = budget - n, seqs + 1
+        if not decode and not chunks:
+            rep.stepping = False
+            return
+        seconds = step.step_seconds(sum(n for _, n in chunks), len(decode), sum(d[2] for d in decode))
+        rep.stepping, rep.busy_s, steps[k] = True, rep.busy_s + seconds, (decode, chunks)
+        heapq.heappush(events, (now + seconds, 0, k))
+
+    while events:
+        now, kind, x = heapq.heappop(events)
+        if kind == 1:
+            hits = [_depth(hashes[x], rep.cached) for rep in fleet]
+            k = choose(x, fleet, hits, now)
+            cached[x] = min(hits[k] * shape.block_size, len(prompts[x]) - 1)
+            fleet[k].waiting.append([x, len(prompts[x]) - cached[x]])
+            fleet[k].cached.update(hashes[x])
+            if not fleet[k].stepping:
+                start_step(k, now)
+            continue
+        decode, chunks = steps.pop(x)
+        rep = fleet[x]
+        for d in decode:
+            d[1], d[2] = d[1] - 1, d[2] + 1
+        rep.running = [d for d in rep.running if d[1] > 0]
+        for w, n in chunks:
+            w[1] -= n
+            if w[1] <= 0:
+                rep.waiting.remove(w)
+                i = w[0]
+                ttft[i] = now - arrivals[i]
+                if max_tokens[i] > 1:
+                    rep.running.append([i, max_tokens[i] - 1, len(prompts[i])])
+        start_step(x, now)
+    return Replay(ttft, cached)
+
+
+def _depth(hashes: Sequence[bytes], cached: Set[bytes]) -> int:
+    """Leading blocks of `hashes` in `cached` (a chain: block i cached means blocks before it are)."""
+    n = 0
+    while n < len(hashes) and hashes[n] in cached:
+        n += 1
+    return n
+
+
+def assigned(replica_of: Sequence[str]) -> Chooser:
+    """The replicas a run's router chose (one name per request, in request order)."""
+    names = sorted(set(replica_of))
+    return lambda i, fleet, hits, now: names.index(replica_of[i])
+
+
+def exact_loads(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], step: StepTimeModel,
+                shape: EngineShape, config: Optional[LLMRouterConfig] = None, seed: int = 0) -> Chooser:
+    """LLMRouter's scoring (router.scoring.score_replicas, its default knobs unless `config`) over the
+    model's exact loads and caches, the fleet's busy share as the model's, the expected answer the
+    mean so far."""
+    config = config or LLMRouterConfig(model="replay")
+    rng, peaks, seen = np.random.default_rng(seed), deque(), []
+
+    def choose(i: int, fleet: List[ReplicaModel], hits: List[int], now: float) -> int:
+        loads = FleetLoads(np.array([rep.queued_tokens() for rep in fleet]),
+                           np.array([float(len(rep.waiting) + len(rep.running)) for rep in fleet]),
+                           np.array([float(sum(d[2] for d in rep.running) + sum(len(prompts[w[0]]) for w in rep.waiting))
+                                     for rep in fleet]),
+                           np.full(len(fleet), math.nan))
+        peaks.append((now, float(loads.batch.sum())))
+        while peaks[0][0] < now - config.load_window_s:
+            peaks.popleft()
+        cached = np.array([min(h * shape.block_size, len(prompts[i]) - 1) for h in hits], dtype=float)
+        expected = sum(seen) / len(seen) if seen else config.default_output_tokens
+        seen.append(max_tokens[i])
+        request = RoutingRequest(len(prompts[i]), max(1, round(min(max_tokens[i], expected))))
+        busy = sum(rep.busy_s for rep in fleet) / (len(fleet) * now) if now > 0 else 0.0
+        ranking = score_replicas(step, shape, [str(k) for k in range(len(fleet))], loads, cached, request,
+                                 config.load_bound, config.affinity_margin, rng,
+                                 fleet_sequences=max(p[1] for p in peaks), fleet_busy=busy)
+        return int(ranking.order[0])
+
+    return choose
+
+
+def trace_replays(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
+                  replica_of: Sequence[Optional[str]], step: StepTimeModel, shape: EngineShape, replicas: int) -> dict:
+    """For the routing benchmark: TTFT p50/p90 (ms) of a run's decisions in the model (None when a
+    request has no replica: it failed) and of LLMRouter's scoring with exact loads."""
+    out = {}
+    if all(replica_of):
+        r = replay(prompts, max_tokens, arrivals, assigned(replica_of), step, shape, replicas)
+        out.update(modelled_ttft_ms_p50=r.ttft_ms(50), modelled_ttft_ms_p90=r.ttft_ms(90))
+    r = replay(prompts, max_tokens, arrivals, exact_loads(prompts, max_tokens, step, shape), step, shape, replicas)
+    return {**out, "exact_loads_ttft_ms_p50": r.ttft_ms(50), "exact_loads_ttft_ms_p90": r.ttft_ms(90)}
