@@ -70,6 +70,24 @@ def test_releasing_a_claim_keeps_blocks_other_requests_claimed_or_cached():
     assert index.num_claimed("a") == index.num_claimed("b") == 0
 
 
+def test_a_confirmed_claim_becomes_exactly_what_insert_then_release_leave():
+    """`confirm` is `insert` then `release` in one pass: the same blocks, owners, LRU order and claims,
+    with another request's claim on the shared prefix kept and a block cached before only refreshed."""
+    one, two = hashed(SYSTEM + [1] * 16), hashed(SYSTEM + [2] * 16)
+    indexes = [PrefixIndex(40), PrefixIndex(40)]  # room for less than one chain: it evicts too
+    for index in indexes:
+        index.insert("a", two.hashes[:10])
+        index.claim("a", one.hashes)
+        index.claim("a", two.hashes)
+    indexes[0].confirm("a", one.hashes)
+    indexes[1].insert("a", one.hashes)
+    indexes[1].release("a", one.hashes)
+    (x, y) = indexes
+    assert list(x._blocks["a"]) == list(y._blocks["a"])
+    assert x._claims == y._claims and x._owners == y._owners
+    assert x.matched_blocks(two.hashes) == {"a": 51}  # still claimed by two: whole chain owned
+
+
 def test_a_rejected_attempt_releases_its_claim_and_the_retry_counts_once():
     """A replica rejects the request (full): Serve reports it completed there before any confirmation,
     then routes it again. Nothing stays on the replica that rejected it."""
