@@ -84,9 +84,11 @@ class AsyncLLMEngine:
                 elif not deltas:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
+                # The heartbeat before the snapshot: a thread that sees this round's steps must see
+                # that the loop went round (check_health read a stall that had ended otherwise).
+                self._heartbeat = time.monotonic()
                 self._snapshot = self.engine.snapshot()
                 self._dispatch(deltas)
-                self._heartbeat = time.monotonic()
         except BaseException as e:  # the replica must learn of it: check_health fails from now on
             logger.exception("iterserve engine loop died; failing every open and new request")
             # Set before the streams are walked: a stream registered after this walk sees it (_run_request).

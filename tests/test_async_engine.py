@@ -169,6 +169,32 @@ def test_check_health_fails_while_the_loop_is_stuck_with_work():
         e.shutdown()
 
 
+def test_a_round_is_published_no_sooner_than_its_heartbeat():
+    """The snapshot (steps, queues) another thread reads and the heartbeat check_health reads are
+    published in that order: a round's steps visible with the heartbeat still from before a stall
+    made a health check right after the stall fail a loop that was stepping again (a flaky CI run)."""
+    e = AsyncLLMEngine(CONFIG.model_copy(update={"stall_timeout_s": 0.5}))
+    lags = []
+    publish = e.engine.snapshot
+
+    def snapshot():  # runs in the loop thread, as the loop publishes a round
+        lags.append(time.monotonic() - e._heartbeat)
+        return publish()
+
+    e.engine.snapshot = snapshot
+    try:
+        async def stalled_stream():
+            stream = e.stream([5, 6], SamplingParams(max_tokens=40, ignore_eos=True))
+            await stream.__anext__()
+            e.stall_for_tests(1.0)
+            return [d async for d in stream]
+
+        assert run(stalled_stream())[-1].finish_reason == "length"
+        assert max(lags) < 0.5, max(lags)  # the stalled round's too: 1 s before the fix
+    finally:
+        e.shutdown()
+
+
 def test_a_model_that_fails_to_load_fails_the_constructor(tmp_path):
     """The model loads in the loop thread; its error still reaches the caller."""
     missing = EngineConfig(model=str(tmp_path / "no-such-model"))
