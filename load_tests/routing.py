@@ -31,7 +31,7 @@ from batcher.simulated import preset_for
 from cluster.local_serve import local_serve
 from load_tests.bench_client import BenchRecord, BenchRequest, Target, run_load
 from load_tests.bench_metrics import summarize as summarize_load
-from load_tests.routing_replay import trace_replays
+from load_tests.routing_replay import decisions_ttfts, exact_loads_ttfts
 from load_tests.routing_trace import TraceWorkload, trace_workload
 from router.scoring import EngineShape, prefill_rate
 
@@ -130,6 +130,10 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
     from ray import serve
 
     results: Dict[str, Dict[str, dict]] = {}
+    step = preset_for(f"sim:{args.preset}").step
+    if trace is not None:  # the replays' inputs, and the yardstick every router of this fleet is read against
+        prompts, max_tokens = [r.prompt for r in trace.requests], [r.max_tokens for r in trace.requests]
+        exact = exact_loads_ttfts(prompts, max_tokens, trace.arrivals, step, SHAPE, replicas)
     for name, application in apps.items():
         app = f"route{replicas}{name.replace('-', '')}"
         serve.run(application, name=app, route_prefix=f"/{app}")
@@ -149,9 +153,8 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
                 results[kind][name]["infinite_cache_share"] = trace.infinite_cache_share
                 results[kind][name]["prefill_load"] = prefill_load(trace, args.preset, replicas)
                 replica_of = {r.index: r.headers.get(REPLICA_HEADER) for r in result.records if r.ok}
-                results[kind][name].update(trace_replays(
-                    [r.prompt for r in trace.requests], [r.max_tokens for r in trace.requests], trace.arrivals,
-                    [replica_of.get(i) for i in range(len(trace.requests))], preset_for(f"sim:{args.preset}").step,
+                results[kind][name].update(exact, **decisions_ttfts(
+                    prompts, max_tokens, trace.arrivals, [replica_of.get(i) for i in range(len(prompts))], step,
                     SHAPE, replicas))
             print(f"  {replicas} replicas, {name:20s} {kind:7s} {results[kind][name]}", flush=True)
         serve.delete(app)

@@ -24,6 +24,7 @@ import numpy as np
 
 from batcher.block_hash import cacheable_block_hashes, root_hash
 from batcher.simulated import StepTimeModel
+from load_tests.routing_trace import cached_tokens, leading_blocks
 from router.config import LLMRouterConfig
 from router.scoring import EngineShape, FleetLoads, RoutingRequest, score_replicas
 
@@ -87,9 +88,9 @@ def replay(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals
     while events:
         now, kind, x = heapq.heappop(events)
         if kind == 1:
-            hits = [_depth(hashes[x], rep.cached) for rep in fleet]
+            hits = [leading_blocks(hashes[x], rep.cached) for rep in fleet]
             k = choose(x, fleet, hits, now)
-            cached[x] = min(hits[k] * shape.block_size, len(prompts[x]) - 1)
+            cached[x] = cached_tokens(hits[k], len(prompts[x]), shape.block_size)
             fleet[k].waiting.append([x, len(prompts[x]) - cached[x]])
             fleet[k].cached.update(hashes[x])
             if not fleet[k].stepping:
@@ -110,14 +111,6 @@ def replay(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals
                     rep.running.append([i, max_tokens[i] - 1, len(prompts[i])])
         start_step(x, now)
     return Replay(ttft, cached)
-
-
-def _depth(hashes: Sequence[bytes], cached: Set[bytes]) -> int:
-    """Leading blocks of `hashes` in `cached` (a chain: block i cached means blocks before it are)."""
-    n = 0
-    while n < len(hashes) and hashes[n] in cached:
-        n += 1
-    return n
 
 
 def assigned(replica_of: Sequence[str]) -> Chooser:
@@ -143,7 +136,7 @@ def exact_loads(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ste
         peaks.append((now, float(loads.batch.sum())))
         while peaks[0][0] < now - config.load_window_s:
             peaks.popleft()
-        cached = np.array([min(h * shape.block_size, len(prompts[i]) - 1) for h in hits], dtype=float)
+        cached = np.array([cached_tokens(h, len(prompts[i]), shape.block_size) for h in hits], dtype=float)
         expected = sum(seen) / len(seen) if seen else config.default_output_tokens
         seen.append(max_tokens[i])
         request = RoutingRequest(len(prompts[i]), max(1, round(min(max_tokens[i], expected))))
@@ -156,13 +149,19 @@ def exact_loads(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ste
     return choose
 
 
-def trace_replays(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
-                  replica_of: Sequence[Optional[str]], step: StepTimeModel, shape: EngineShape, replicas: int) -> dict:
-    """For the routing benchmark: TTFT p50/p90 (ms) of a run's decisions in the model (None when a
-    request has no replica: it failed) and of LLMRouter's scoring with exact loads."""
-    out = {}
-    if all(replica_of):
-        r = replay(prompts, max_tokens, arrivals, assigned(replica_of), step, shape, replicas)
-        out.update(modelled_ttft_ms_p50=r.ttft_ms(50), modelled_ttft_ms_p90=r.ttft_ms(90))
+def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
+                    replica_of: Sequence[Optional[str]], step: StepTimeModel, shape: EngineShape, replicas: int) -> dict:
+    """For the routing benchmark: TTFT p50/p90 (ms) of a run's decisions in the model; none when a
+    request has no replica (it failed)."""
+    if not all(replica_of):
+        return {}
+    r = replay(prompts, max_tokens, arrivals, assigned(replica_of), step, shape, replicas)
+    return {"modelled_ttft_ms_p50": r.ttft_ms(50), "modelled_ttft_ms_p90": r.ttft_ms(90)}
+
+
+def exact_loads_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
+                      step: StepTimeModel, shape: EngineShape, replicas: int) -> dict:
+    """For the routing benchmark: TTFT p50/p90 (ms) of LLMRouter's scoring with exact loads (the
+    trace's yardstick, the same for every router of a fleet)."""
     r = replay(prompts, max_tokens, arrivals, exact_loads(prompts, max_tokens, step, shape), step, shape, replicas)
-    return {**out, "exact_loads_ttft_ms_p50": r.ttft_ms(50), "exact_loads_ttft_ms_p90": r.ttft_ms(90)}
+    return {"exact_loads_ttft_ms_p50": r.ttft_ms(50), "exact_loads_ttft_ms_p90": r.ttft_ms(90)}

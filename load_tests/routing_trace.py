@@ -9,7 +9,7 @@ had): what no router can beat, the yardstick of the cached share.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Sequence, Set
 
 from batcher.block_hash import cacheable_block_hashes, root_hash
 from cluster.request_traces import bundled, load_request_trace, prompt_token_ids
@@ -26,6 +26,20 @@ class TraceWorkload:
     description: dict
 
 
+def leading_blocks(hashes: Sequence[bytes], cached: Set[bytes]) -> int:
+    """Leading blocks of a prompt's chain `hashes` found in `cached` (a chain: block i cached means the
+    blocks before it are)."""
+    n = 0
+    while n < len(hashes) and hashes[n] in cached:
+        n += 1
+    return n
+
+
+def cached_tokens(blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Prompt tokens `blocks` cached blocks serve: never the last token (the engine computes it)."""
+    return min(blocks * block_size, prompt_tokens - 1)
+
+
 def infinite_cache_share(prompts: Sequence[Sequence[int]], block_size: int) -> float:
     """Prompt tokens an unbounded prefix cache shared by every replica would serve, over all prompt
     tokens: per request, its longest prefix of full blocks any earlier prompt had (never its last
@@ -33,10 +47,7 @@ def infinite_cache_share(prompts: Sequence[Sequence[int]], block_size: int) -> f
     root, seen, cached, total = root_hash("bound"), set(), 0, 0
     for ids in prompts:
         hashes = cacheable_block_hashes(ids, block_size, root)
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in seen:
-            hit += 1
-        cached += min(hit * block_size, len(ids) - 1)
+        cached += cached_tokens(leading_blocks(hashes, seen), len(ids), block_size)
         total += len(ids)
         seen.update(hashes)
     return cached / total if total else 0.0
