@@ -5,26 +5,31 @@ measured); the rest is measured from the replicas or derived from those two (doc
 
     measured  the start-up (ask -> all running); mu, the completions per second of a full replica
               (requests wait in its engine, or at the handles while it runs 90% of its slots, or its
-              KV cache is full), averaged over a start-up; until one was full, the highest median
-              completion rate seen (a floor); the replica's slots (from the engine config via the
-              app, else the most it ran while requests queued)
+              KV cache is full) once it has been full a look-back plus a request's latency, averaged
+              over a start-up; until one was full, the highest median completion rate seen (a
+              floor); the replica's slots (from the engine config via the app, else the most it ran
+              while requests queued)
     rate      arrivals = completions + growth of the requests in the system over ~5 s, averaged over
               a memory bucket; a ramp (up in 5 of the last 6 buckets, at most doubling) is projected
               one start-up ahead, when replicas asked now land
-    need      the fewest replicas with under MISS of requests waiting past the SLO (M/M/c over the
-              slots), and the running requests at the slots with a sqrt-staffing margin; the larger
+    need      the fewest replicas with under queueing.MISS of requests waiting past the SLO (M/M/c
+              over the slots), and the running requests at the slots with a sqrt-staffing margin; the larger
     burst     a queue that would outlast a start-up at its pace: the arrival rate plus draining the
-              queue now within one start-up (not its projection: a burst may end before replicas land)
+              queue now within one start-up (not its projection: a burst may end before replicas land);
+              not while the queues of the memory have been ending within a start-up (a median spell)
     memory    arrivals and running requests per bucket of start-up/6 s, over the last
-              MEMORY_STARTUPS start-ups, as load (a better mu resizes them). A count of replicas is
-              kept while some bucket needed it within the last start-up (rent or buy: keeping an
-              idle replica one start-up costs what re-buying it does) or, for a count demand keeps
+              MEMORY_STARTUPS start-ups, as load (a better mu resizes them); a bucket needed the
+              rate that kept its queue within the SLO (burst_capacity: a 10 s burst 10/11 of its
+              rate, a held rate all of it). A count of replicas is kept while some bucket needed it
+              within the last start-up (rent or buy: keeping an idle replica one start-up costs what
+              re-buying it does) or, for a count demand keeps
               returning to after lulls (under half of it in between), while the silence since its
               last visit is under RECUR_GAPS mean gaps between visits plus a start-up: a lull shorter
               than the recurrence keeps the capacity, a longer silence is a trend and releases it.
               Replicas asked for, and the fleet found at the first call, are kept a start-up
-    down      straight to the kept count, but only as far as 10% more load would still need (a band:
-              a need flickering at a threshold holds the higher count instead of flapping) at the
+    down      straight to the kept count, but only as far as DOWN_HEADROOM (30%) more load would
+              still need (a band: a need flickering at a threshold, or a rate rising again within a
+              start-up, holds the higher count instead of buying it back too late) at the
               higher of the arrivals now and over the last bucket, and not by less than
               max(1, sqrt(n) / 2) (noise) unless that halves the fleet
     up        at once, except by less than sqrt(n) / 2 with nothing queued and no ramp adding a
@@ -32,13 +37,14 @@ measured); the rest is measured from the replicas or derived from those two (doc
 """
 from __future__ import annotations
 
-import functools
 import math
 import time
 from statistics import median
 from typing import Any, Dict, List, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deployments.queueing import burst_capacity, ceil, rate_per_s, replicas_within_slo
 
 POLICY_PATH = "deployments.autoscaling:QueueDepthPolicy"
 SERVE_POLICY_PATH = "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"
@@ -50,9 +56,11 @@ MEMORY_STARTUPS = 30  # how far back demand is remembered, in start-ups (30 min 
 BUCKETS_PER_STARTUP = 6  # resolution of the memory: a 60 s start-up -> 10 s buckets (the traces' bins)
 RECUR_GAPS = 3.0  # a recurring level is released after a silence of this many mean gaps between visits
 GROWTH_SPAN_S = 5.0  # arrivals are completions + growth over this span (Serve's look-back for this policy)
-MISS = 0.01  # the share of requests the sizing lets wait past the SLO (M/M/c, Poisson arrivals)
-ERLANG_SERVERS = 512  # slots up to which P(wait) is computed (Erlang C); beyond, bounded by 1
-KEEP_TOLERANCE = 0.1  # demand within 10% of a level neither keeps nor releases it (Knative's and AIBrix's band)
+KEEP_TOLERANCE = 0.1  # running requests within 10% of a level neither keep nor release it (Knative's and AIBrix's band)
+# Going down, a fleet keeps room for this much more load than now: a replica given back is a start-up
+# away, and a production trace's 10 s rate rises by about that within a start-up (azure_conv_2023:
+# the highest bucket of the next minute is a median 1.18x, upper quartile 1.33x the bucket's rate).
+DOWN_HEADROOM = 1.3
 FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
 
 # Knob names of the 13-knob version: named in the error so a stale config says what replaced it.
@@ -81,39 +89,6 @@ class QueueDepthPolicyConfig(BaseModel):
         return data
 
 
-def _rate(series) -> Optional[float]:
-    """Per-second increase of a cumulative counter over its raw window (None when under 1 s)."""
-    if not series or len(series) < 2:
-        return None
-    first, last = series[0], series[-1]
-    span = last.timestamp - first.timestamp
-    return max(0.0, last.value - first.value) / span if span >= 1.0 else None
-
-
-def _ceil(x: float) -> int:
-    return math.ceil(x - 1e-9)
-
-
-@functools.lru_cache(maxsize=4096)
-def _replicas_within_slo(arrivals: float, mu: float, slots: float, slo_s: float) -> int:
-    """The fewest replicas for which a request waits longer than the SLO with probability under
-    MISS (M/M/c: P(wait) x exp(-(n mu - arrivals) slo)). With the slots known and few of them, each
-    slot is a server of rate mu / slots and P(wait) is Erlang C; beyond ERLANG_SERVERS slots,
-    P(wait) <= 1 (a spare of ln(1 / MISS) / slo requests per second: conservative)."""
-    n = max(1, _ceil(arrivals / mu))
-    while True:
-        c = n * slots
-        if not slots or c > ERLANG_SERVERS:
-            return max(n, _ceil((arrivals + math.log(1 / MISS) / slo_s) / mu))
-        a, b = arrivals * slots / mu, 1.0  # offered load in slot-servers; Erlang B by recursion
-        for k in range(1, int(c) + 1):
-            b = a * b / (k + a * b)
-        wait = b / (1 - (a / c) * (1 - b)) if a < c else 1.0
-        if a < c and wait * math.exp(-(n * mu - arrivals) * slo_s) <= MISS:
-            return n
-        n += 1
-
-
 class QueueDepthPolicy:
     """`policy: deployments.autoscaling:QueueDepthPolicy`; Serve instantiates it once with policy_kwargs
     and calls it with an AutoscalingContext each control tick. `replica_slots` (sequences a replica
@@ -138,7 +113,7 @@ class QueueDepthPolicy:
         in_flight = sum(running.values())
         demand = max(ctx.total_num_requests or 0.0, in_flight + queued)
         growth, queue_growth = self._growth(s, now, demand, queued)
-        rates = {r: x for r in ctx.running_replicas if (x := _rate(raw.get(FINISHED, {}).get(r))) is not None}
+        rates = {r: x for r in ctx.running_replicas if (x := rate_per_s(raw.get(FINISHED, {}).get(r))) is not None}
         completions = sum(rates.values())
         arrivals = self._smoothed(s, now, max(0.0, completions + growth), startup / BUCKETS_PER_STARTUP)
         if demand <= 0:  # nobody in the system over the look-back: the average's tail is no load
@@ -149,18 +124,20 @@ class QueueDepthPolicy:
         slots = self.replica_slots or s.get("slots")
         full = [r for r in ctx.running_replicas
                 if waiting.get(r, 0.0) > 0 or kv.get(r, 0.0) >= KV_FULL
-                or (_rate(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0
+                or (rate_per_s(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0
                 or (handle_queued > 0 and running.get(r, 0.0) >= FULL_SHARE * (slots or 0.0))]
         # A replica's completions lag its admissions by a request's latency (Little: running / rate):
-        # until it has run that long plus a look-back, its rate is a ramp, not a full replica's.
-        first = "seen" not in s  # the fleet found at the first call counts as settled
-        seen = {r: t for r, t in (s.get("seen") or {}).items() if r in ctx.running_replicas}
-        for r in ctx.running_replicas:
-            seen.setdefault(r, now - 1e9 if first else now)
-        s["seen"] = seen
+        # until it has been full that long plus a look-back, its rate is a ramp into the load, not a
+        # full replica's (counted from the replica's start instead, a replica that turned full a
+        # second ago read its idle seconds too: mu came out at half what replicas do).
+        first = "full_since" not in s  # replicas full at the first call count as settled
+        full_since = {r: t for r, t in (s.get("full_since") or {}).items() if r in full}
+        for r in full:
+            full_since.setdefault(r, now - 1e9 if first else now)
+        s["full_since"] = full_since
         look_back = ctx.config.look_back_period_s if ctx.config else 30.0
         settled = {r for r, x in rates.items()
-                   if x > 0 and now - seen[r] >= look_back + running.get(r, 0.0) / x}
+                   if x > 0 and r in full_since and now - full_since[r] >= look_back + running.get(r, 0.0) / x}
         self._measure(s, now, startup, [rates[r] for r in full if r in settled],
                       [running.get(r, 0.0) for r in full] if handle_queued > 0 else [])
         if rates and completions > 0:  # a replica does at least what replicas do now: mu's floor
@@ -173,25 +150,27 @@ class QueueDepthPolicy:
         need = self._need(arrivals + self._trend(s, startup), load, mu, slots)
         s.setdefault("seed", (now, target))  # the fleet found at the first call: kept a start-up too
         self._remember(s, now, startup, arrivals, load)
+        self._queue_spells(s, now, startup, queued)
         desired = need
-        if mu and queued > 0 and queued + queue_growth * startup > 0:
+        if mu and queued > 0 and queued + queue_growth * startup > 0 and self._queues_outlast(s, now, startup):
             # A backlog that would outlast a start-up at its current pace: drain it within one
             # start-up on top of the arrival rate (re-estimated every tick from the queue now, not its
-            # projection: a burst may end before the replicas land).
+            # projection: a burst may end before the replicas land). Not where queues have been
+            # ending within a start-up (bursts): replicas bought for them land after the queue.
             desired = max(desired, self._need(arrivals + queued / startup, 0.0, mu, None))
         # Noise in what a fleet of n needs is about sqrt(n) (Poisson): a change under half of that is
         # not one, either way (a whole replica at least).
         noise = max(1.0, math.sqrt(target) / 2)
         if desired < target:
-            # A band, not a line: going down only as far as 10% more load would still need (else a need
-            # flickering at a threshold flaps the fleet down and up again a start-up later). The trend is
-            # read again: _remember may have closed a bucket since (the real-Serve burst test needs it).
+            # A band, not a line: going down only as far as DOWN_HEADROOM more load would still need (else
+            # a need flickering at a threshold, or a rate that rises again within a start-up, buys the
+            # replicas back a start-up later, too late). The trend is read again: _remember may have
+            # closed a bucket since (the real-Serve burst test needs it).
             # The arrival estimate (completions + growth) dips while a backlog drains and replicas
             # leave: a drop counts once the last whole bucket saw it too.
             seen = max([arrivals] + [b[1] for b in s["memory"][-2:-1]])
-            band = 1.0 + KEEP_TOLERANCE
-            desired = max(desired, min(target, self._need((seen + self._trend(s, startup)) * band,
-                                                           load * band, mu, slots)))
+            desired = max(desired, min(target, self._need((seen + self._trend(s, startup)) * DOWN_HEADROOM,
+                                                           load * DOWN_HEADROOM, mu, slots)))
             desired = max(desired, self._kept(s, now, startup, target, mu, slots))
             if target - desired < noise and desired > target / 2:  # halving the fleet is never noise
                 desired = target
@@ -211,9 +190,9 @@ class QueueDepthPolicy:
         system at `slots` per replica with a sqrt-staffing margin (Halfin-Whitt, beta 1)."""
         n = 0
         if mu and arrivals > 0:
-            n = _replicas_within_slo(round(arrivals, 3), mu, slots or 0, self.cfg.slo_s)
+            n = replicas_within_slo(round(arrivals, 3), mu, slots or 0, self.cfg.slo_s)
         if slots and demand > 0:
-            n = max(n, _ceil((demand + math.sqrt(demand)) / slots))
+            n = max(n, ceil((demand + math.sqrt(demand)) / slots))
         if not mu and not slots and demand > 0:
             n = max(n, 1)  # nothing measured yet: the queue rule (backlog) and Serve's cold start act
         return n
@@ -266,11 +245,13 @@ class QueueDepthPolicy:
             if now - t <= startup:
                 floor = max(floor, min(below, n))
         mem = s.get("memory", [])
-        # A level is kept only where demand needed it by more than KEEP_TOLERANCE: load that flickers
-        # at a threshold (one replica or two at the same arrival rate) never holds a replica.
-        keep = 1.0 - KEEP_TOLERANCE
-        needs = [(t, self._need(a * keep, d * keep, mu, slots)) for t, a, d, _ in mem]
         width = startup / BUCKETS_PER_STARTUP
+        # A bucket needed the capacity that kept its queue within the SLO (burst_capacity); its
+        # running requests, only where more than KEEP_TOLERANCE over a level (load that flickers at a
+        # threshold never holds a replica).
+        keep = 1.0 - KEEP_TOLERANCE
+        capacity = burst_capacity([a for _, a, _, _ in mem], width, self.cfg.slo_s, BUCKETS_PER_STARTUP)
+        needs = [(t, self._need(c, d * keep, mu, slots)) for (t, _, d, _), c in zip(mem, capacity)]
         for level in range(min(below, max((n for _, n in needs), default=0)), floor, -1):
             # Visits of the level, and the gaps between them in which demand fell to under half of it
             # (a lull; a need flickering around the level is one visit, not a recurrence).
@@ -289,6 +270,25 @@ class QueueDepthPolicy:
             if gaps and age <= RECUR_GAPS * sum(gaps) / len(gaps) + startup:
                 return level
         return floor
+
+    @staticmethod
+    def _queue_spells(s: dict, now: float, startup: float, queued: float) -> None:
+        """Spells with requests queued: when the current one began, and how long the ended ones
+        of the memory lasted."""
+        since = s.get("queue_since")
+        if queued > 0 and since is None:
+            s["queue_since"] = now
+        elif queued <= 0 and since is not None:
+            ended = [e for e in s.get("queue_spells", []) if now - e[0] <= MEMORY_STARTUPS * startup]
+            s["queue_spells"], s["queue_since"] = ended + [(now, now - since)], None
+
+    @staticmethod
+    def _queues_outlast(s: dict, now: float, startup: float) -> bool:
+        """Whether a queue now likely outlasts a start-up: it already has, or queues have (the median
+        spell of the memory), or none has ended yet to say otherwise."""
+        since = s.get("queue_since")
+        spells = [d for t, d in s.get("queue_spells", []) if now - t <= MEMORY_STARTUPS * startup]
+        return not spells or median(spells) >= startup or (since is not None and now - since >= startup)
 
     @staticmethod
     def _trend(s: dict, startup: float) -> float:

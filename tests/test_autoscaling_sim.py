@@ -12,6 +12,7 @@ import pytest
 from cluster import simulate
 from cluster.fleet_sim_parts import SimWorkload
 from cluster.traces import Trace, day_trace, load_csv, write_csv
+from deployments.autoscaling import DOWN_HEADROOM
 
 STARTUP_S = 60.0
 
@@ -52,8 +53,10 @@ def test_a_burst_is_sized_for_its_rate_and_backlog_not_its_queue_as_load(runs, t
     with_backlog = (600 + backlog / STARTUP_S) / full
     starting = target[(t >= 600) & (t < 600 + STARTUP_S)]
     assert 1.2 * need <= starting.max() <= 1.2 * with_backlog
-    # Once the backlog is drained, the fleet settles near the need (a start-up after the last need).
-    assert need <= target[(t >= 1000) & (t < 1200)].min() and target[(t >= 1000) & (t < 1200)].max() <= 1.2 * need + 2
+    # Once the backlog is drained, the fleet settles near the need (a start-up after the last need),
+    # within the room going down keeps for a rise (DOWN_HEADROOM).
+    settled = target[(t >= 1000) & (t < 1200)]
+    assert need <= settled.min() and settled.max() <= DOWN_HEADROOM * need + 2
 
 
 def test_serves_delay_logic_runs_on_the_simulated_clock(runs):

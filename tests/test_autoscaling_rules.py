@@ -1,0 +1,71 @@
+"""QueueDepthPolicy's measured rules: mu read only from replicas settled in full, the capacity a
+burst needed, replicas bought for a backlog only where queues outlast a start-up, and the room a fleet
+keeps going down. Contexts and replicas as in tests/test_autoscaling_policy.py (10 slots, 2 req/s
+full, a 4 s SLO, 30 s start-up: 5 s buckets)."""
+from __future__ import annotations
+
+import pytest
+
+from deployments.autoscaling import DOWN_HEADROOM
+from deployments.queueing import burst_capacity
+from tests.test_autoscaling_policy import MU, STARTUP, _steady_fleet, ctx, measured, policy
+
+
+def test_mu_is_read_only_from_replicas_full_for_a_look_back_and_a_latency():
+    p = policy()
+    _, state = p(ctx(2, running=[2, 2], finished=[1.0, 1.0], now=0))  # an idle fleet at the first call
+    # A burst fills both replicas at t = 1; their 5 s window still holds idle seconds: 0.8 req/s is a
+    # ramp, not what a full replica does (read as mu, it sized the fleet for half the rate it serves).
+    _, state = p(ctx(2, running=[10, 10], handle_queued=50, finished=[0.8, 0.8], now=1, state=state, hi=2))
+    assert "mu" not in state["iterserve"]
+    _, state = p(ctx(2, running=[10, 10], handle_queued=50, finished=[1.5, 1.5], now=6, state=state, hi=2))
+    assert "mu" not in state["iterserve"]  # full 5 s: under a look-back (5 s) + a latency (10 / 1.5 s)
+    # Full 10 s at 2 req/s: a look-back plus a request's latency (10 running / 2 req/s).
+    _, state = p(ctx(2, running=[10, 10], handle_queued=50, finished=[MU, MU], now=11, state=state, hi=2))
+    assert state["iterserve"]["mu"] == MU
+
+
+def test_burst_capacity_keeps_a_bursts_queue_within_the_slo():
+    # 10 s buckets, a 1 s SLO. A lone 10 s burst of 110 req/s needs 100: 1000 served in the burst, the
+    # other 100 within the SLO after it. The bucket after it: the two buckets' 1100 over 21 s.
+    assert burst_capacity([0.0, 110.0, 0.0], 10.0, 1.0, 6) == [0.0, 100.0, pytest.approx(1100 / 21)]
+    # A rate held a start-up (6 buckets) needs 60/61 of itself; longer spells are not looked at.
+    held = burst_capacity([61.0] * 8, 10.0, 1.0, 6)
+    assert held[0] == pytest.approx(61 * 10 / 11) and held[5] == held[7] == pytest.approx(60.0)
+
+
+def _spells(length_s: int, count: int = 4) -> list:
+    """The policy's decisions over `count` spells of `length_s` s with 600 requests queued at the
+    handles, 20 s apart, from the measured state (whose queue is the first spell's start)."""
+    p, t, out = policy(), 0, []
+    state = measured(p)
+    for _ in range(count):
+        decisions = []
+        for queued in [600.0] * length_s + [0.0] * 20:
+            n, state = p(ctx(2, running=[10, 10] if queued else [5, 5], handle_queued=queued,
+                             finished=[MU, MU], now=float(t), state=state))
+            decisions.append(n)
+            t += 1
+        out.append(decisions[:length_s])
+    return out
+
+
+def test_a_backlog_buys_replicas_only_where_queues_outlast_a_start_up():
+    # Queues that ended within 10 s (bursts): once two have (the median spell under a start-up), a
+    # queue is left to the replicas there; the rate's need still buys (the queue's growth is arrivals).
+    short = _spells(10)
+    backlog = round(600 / STARTUP / MU)  # draining 600 within a start-up: 20 req/s, 10 replicas
+    assert short[2] == short[1]  # one spell ended, the first: it lasted longer (the measured tick's)
+    assert [b - a for a, b in zip(short[3], short[1])] == [backlog] * 10, short
+    # Queues that outlasted a start-up: every spell is drained within one.
+    long = _spells(40)
+    assert long[3] == long[1] and max(long[3]) == max(short[1]), long
+
+
+def test_going_down_keeps_room_for_a_rise_within_a_start_up():
+    # 100 replicas at 197 req/s; the rate falls to 120 and stays. The fleet goes down, but only to
+    # what DOWN_HEADROOM (1.3x) the new rate needs, not to what 1.1x needs (the band it had).
+    out = _steady_fleet(policy(), [197.0] * 60 + [120.0] * 300)
+    p = policy()
+    kept = p._need(120.0 * DOWN_HEADROOM, 240.0 * DOWN_HEADROOM, MU, 10)
+    assert out[359] == kept and kept > p._need(120.0 * 1.1, 240.0 * 1.1, MU, 10), out
