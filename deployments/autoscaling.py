@@ -17,6 +17,7 @@ measured); the rest is measured from the replicas or derived from those two (doc
     burst     a queue that would outlast a start-up at its pace: the arrival rate plus draining the
               queue now within one start-up (not its projection: a burst may end before replicas land);
               not while the queues of the memory have been ending within a start-up (a median spell)
+              and this one has not outlasted them
     memory    arrivals and running requests per bucket of start-up/6 s, over the last
               MEMORY_STARTUPS start-ups, as load (a better mu resizes them); a bucket needed the
               rate that kept its queue within the SLO (burst_capacity: a 10 s burst 10/11 of its
@@ -284,11 +285,13 @@ class QueueDepthPolicy:
 
     @staticmethod
     def _queues_outlast(s: dict, now: float, startup: float) -> bool:
-        """Whether a queue now likely outlasts a start-up: it already has, or queues have (the median
-        spell of the memory), or none has ended yet to say otherwise."""
+        """Whether a queue now likely outlasts a start-up: queues have (the median spell of the
+        memory), none has ended yet to say otherwise, or this one has lasted a start-up or longer than
+        every spell of the memory (a standing queue after short ones is not one of them)."""
         since = s.get("queue_since")
         spells = [d for t, d in s.get("queue_spells", []) if now - t <= MEMORY_STARTUPS * startup]
-        return not spells or median(spells) >= startup or (since is not None and now - since >= startup)
+        outlasted = since is not None and now - since >= min(startup, max(spells, default=startup))
+        return not spells or median(spells) >= startup or outlasted
 
     @staticmethod
     def _trend(s: dict, startup: float) -> float:

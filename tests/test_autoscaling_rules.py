@@ -62,6 +62,23 @@ def test_a_backlog_buys_replicas_only_where_queues_outlast_a_start_up():
     assert long[3] == long[1] and max(long[3]) == max(short[1]), long
 
 
+def test_a_queue_that_outlasts_every_spell_before_it_is_drained():
+    # After 10 s queues, one that stays (a closed loop's standing queue, a longer burst) is not one of
+    # them once it has lasted longer than all: from then on the backlog buys as where queues outlast.
+    p, t, spells = policy(), 0, []
+    _, state = p(ctx(2, running=[4, 3], kv=[0.95, 0.3], finished=[MU, 1.0], now=-1000))  # mu, no queue
+    for length in (10, 10, 10, 40):
+        decisions = []
+        for queued in [600.0] * length + [0.0] * 20:
+            n, state = p(ctx(2, running=[10, 10] if queued else [5, 5], handle_queued=queued,
+                             finished=[MU, MU], now=float(t), state=state))
+            decisions.append(n)
+            t += 1
+        spells.append(decisions[:length])
+    assert spells[3][:10] == spells[1]  # as long as the spells before: no backlog bought
+    assert spells[3][10:] == _spells(40)[1][10:]  # longer: bought as where queues outlast a start-up
+
+
 def test_going_down_keeps_room_for_a_rise_within_a_start_up():
     # 100 replicas at 197 req/s; the rate falls to 120 and stays. The fleet goes down, but only to
     # what DOWN_HEADROOM (1.3x) the new rate needs, not to what 1.1x needs (the band it had).
