@@ -49,6 +49,19 @@ def make_step(q_lens, ctx_lens, heads, kv_heads, head_dim=32, dtype=torch.float3
     )
 
 
+def with_sliced_table(step):
+    """The same step with its block table a column slice of a wider buffer, as the eager runner passes
+    it (`block_tables[:B, :width]`): rows `stride(0)` apart, not `width`. The buffer's other columns
+    hold other blocks, so a kernel stepping rows by the width reads the wrong blocks."""
+    table = step["block_tables"]
+    wide = torch.randint(0, step["k_cache"].shape[0] // BLOCK, (table.shape[0], table.shape[1] + 7),
+                         dtype=table.dtype, generator=torch.Generator().manual_seed(1))
+    wide[:, :table.shape[1]] = table
+    sliced = wide[:, :table.shape[1]]
+    assert not sliced.is_contiguous()
+    return {**step, "block_tables": sliced}
+
+
 def run(backend, step):
     args = {k: (v.clone() if k in ("k_cache", "v_cache") else v) for k, v in step.items()}
     out = paged_attention(**args, backend=backend)
@@ -119,6 +132,14 @@ def test_cpu_kernel_matches_reference(seed, dtype, tol):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_block_table_sliced_from_a_wider_buffer_reads_its_own_rows(backend):
+    step = make_step([1, 6, 1, 9], [11, 6, 30, 13], 6, 2, head_dim=48, pad=3, extra_seqs=1)
+    want, _, _ = run("reference", step)
+    out, _, _ = run(backend, with_sliced_table(step))
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+
+
 def check_triton_against_reference():
     """Runs in a fresh interpreter whose TRITON_INTERPRET=1 was set before triton was first imported."""
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
@@ -127,6 +148,10 @@ def check_triton_against_reference():
         out, k_cache, v_cache = run("triton", step)
         torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
         assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+        # The eager runner's table is a column slice (found on an H100: eager Triton steps read every
+        # sequence but the first through the wrong blocks).
+        out, _, _ = run("triton", with_sliced_table(step))
+        torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
     print("triton matches")
 
 
@@ -162,7 +187,7 @@ def test_compiled_call_sees_one_opaque_op():
 
 def test_auto_resolves_by_device_and_names_are_checked():
     assert resolve_backend("auto", torch.device("cpu")) == "cpu"
-    assert resolve_backend("auto", torch.device("cuda")) == "reference"  # Triton has not run on a GPU yet
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"  # run and matched on an H100
     with pytest.raises(ValueError, match="unknown"):
         resolve_backend("flash", torch.device("cpu"))
     with pytest.raises(ValueError, match="CUDA"):

@@ -1,6 +1,7 @@
 """The CUDA implementation: a Triton kernel that reads K/V in place through the block tables.
 
-Not yet run on a GPU (tested on CPU under TRITON_INTERPRET=1 only), so `auto` never picks it.
+`auto`'s choice on CUDA: run on an H100 (greedy float32 tokens equal HF's, eager and under CUDA graphs;
+docs/forward.md), and tested on CPU under TRITON_INTERPRET=1.
 
 Grid: (T // BLOCK_Q + B, Hkv), a bound known from shapes alone. Program p finds its sequence by binary
 search over query_start (sequence b's tiles start at query_start[b] // BLOCK_Q + b), so no lengths are
@@ -23,7 +24,7 @@ BLOCK_N = 32  # keys per tile
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, context_lens_ptr, block_tables_ptr,
-    num_seqs, table_width, block_size, scale,
+    num_seqs, stride_bt, block_size, scale,
     stride_qt, stride_qh, stride_ct, stride_ch, stride_ot, stride_oh,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
@@ -60,7 +61,7 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         n_keys = first_pos + tl.minimum(row0 + BLOCK_Q, q_end) - q_start
-        table = block_tables_ptr + seq * table_width
+        table = block_tables_ptr + seq * stride_bt  # the eager runner's table is a column slice
         for start in range(0, n_keys, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_keys
@@ -108,7 +109,7 @@ def triton_paged_attention(query, key, value, k_cache, v_cache, slot_mapping, qu
     grid = (T // block_q + num_seqs, Hkv)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, query_start, context_lens, block_tables,
-        num_seqs, block_tables.shape[1], block_size, scale,
+        num_seqs, block_tables.stride(0), block_size, scale,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         G=G, BLOCK_Q=block_q, HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
