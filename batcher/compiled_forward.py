@@ -30,7 +30,7 @@ from batcher.paged_attention import PagedMetadata
 logger = logging.getLogger(__name__)
 
 # CUDA: steps replayed as CUDA graphs (cudagraph trees record one graph per distinct size, so the
-# runner pads sizes to buckets). NOT YET RUN ON A GPU.
+# runner pads sizes to buckets). Run on an H100 (docs/forward.md#cuda).
 CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True}
 
 

@@ -85,8 +85,8 @@ class ModelRunner:
         self.lora = lora
         if device.type == "cpu" and dtype == torch.bfloat16:
             use_kernel_linears(model)  # oneDNN's bf16 GEMM reads weights at half the kernel's speed at decode
-        # CUDA graphs need a kernel with no host sync inside: only the Triton backend is (opt-in, never
-        # yet run on a GPU); the graphs mutate the KV cache in place, at addresses fixed from now on.
+        # CUDA graphs need a kernel with no host sync inside: only the Triton backend (CUDA's `auto`) is;
+        # the graphs mutate the KV cache in place, at addresses fixed from now on.
         cuda_graphs = device.type == "cuda" and self.attention_backend == "triton"
         if cuda_graphs:
             for t in self.kv_cache.k + self.kv_cache.v:

@@ -1,7 +1,7 @@
 """The GPU forward in one call: `python -m load_tests.gpu_forward` on a machine with a CUDA device.
 
-NOT YET RUN ON A GPU: this session had none. On CPU, `--device cpu --tiny` runs every part that is
-not CUDA-only, so the script is known to work up to them.
+Run on an H100 on 2026-11-26 (figures and the command that ran it: docs/forward.md#cuda). On CPU,
+`--device cpu --tiny` runs every part that is not CUDA-only.
 
 A random-weight Llama-shaped model is built from a config kept in the repo (weights cannot be carried
 to the device machine) and saved with the SmolLM2 tokenizer as a local model directory. Then:
@@ -30,7 +30,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.3)
 
 
-def build_model_dir(config_path: Path, tiny: bool, device: torch.device, out: Path) -> Path:
+def build_model_dir(config_path: Path, tiny: bool, device: torch.device, out: Path, tokenizer: str) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from batcher.model_loader import load_tokenizer
@@ -40,7 +40,7 @@ def build_model_dir(config_path: Path, tiny: bool, device: torch.device, out: Pa
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
     model.save_pretrained(out)
-    load_tokenizer("smollm2-135m-instruct").save_pretrained(out)
+    load_tokenizer(tokenizer).save_pretrained(out)
     return out
 
 
@@ -76,10 +76,11 @@ def greedy(n: int, count: int):
     return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _ in range(count)]
 
 
-def parity(path: Path, device: torch.device, backends: List[str], compiles: List[str]) -> List[Dict]:
+def parity(path: Path, device: torch.device, backends: List[str], compiles: List[str],
+           dtypes: List[str]) -> List[Dict]:
     rows = []
     ps, n = prompts(6, seed=1), 24
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         ref = hf_model(path, getattr(torch, dtype), device)
         expected = [hf_greedy(ref, p, n) for p in ps]
         del ref
@@ -183,6 +184,26 @@ def _print_table(title: str, rows: List[Dict]) -> None:
         print(" | ".join(f"{r[k]:.3g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys))
 
 
+def _run_section(section: str, report: Dict, path: Path, device: torch.device, dtype: str, backends: List[str],
+                 batch: int, new_tokens: int, hbm_override: float, parity_dtypes: List[str]) -> None:
+    if section == "parity":
+        report["parity"] = parity(path, device, backends, ["off", "auto"], parity_dtypes)
+        _print_table("parity: engine vs HF generate (greedy)", report["parity"])
+    elif section == "throughput":
+        report["throughput"] = []
+        for backend in backends:
+            rows = throughput(path, device, dtype, backend, batch, new_tokens)
+            report["throughput"] += rows[: None if backend == backends[-1] else 1]
+        _print_table(f"throughput: {batch} prompts x {new_tokens} new tokens, {dtype}", report["throughput"])
+    elif section == "roofline":
+        hbm = _hbm(device, hbm_override)
+        batches = [1, 8, 64] if device.type == "cuda" else [1, 2]
+        report["roofline"] = roofline(path, device, dtype, backends[-1], batches, hbm)
+        _print_table(f"decode step vs roofline (HBM {hbm or 'unknown'} GB/s)", report["roofline"])
+    else:
+        raise ValueError(f"unknown section {section!r}; known: parity, throughput, roofline")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -192,28 +213,34 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--hbm-gbps", type=float, default=0.0, help="override the device's HBM bandwidth")
+    ap.add_argument("--tokenizer", default="smollm2-135m-instruct",
+                    help="a model name or tokenizer directory (a device machine has no embedded model)")
+    ap.add_argument("--sections", default="parity,throughput,roofline",
+                    help="which parts, in this order (the JSON is written after each)")
+    ap.add_argument("--backends", default=None, help="attention backends (default: reference, and triton on CUDA)")
+    ap.add_argument("--parity-dtypes", default="float32,bfloat16")
     ap.add_argument("--out", type=Path, default=Path("results/gpu_forward.json"))
     a = ap.parse_args()
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     dtype = a.dtype or ("bfloat16" if cuda else "float32")
-    backends = ["reference", "triton"] if cuda else ["reference"]
+    backends = a.backends.split(",") if a.backends else ["reference", "triton"] if cuda else ["reference"]
     batch, new_tokens = a.batch or (64 if cuda else 4), a.new_tokens or (128 if cuda else 8)
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "config": str(a.config), "tiny": a.tiny, "dtype": dtype}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_model_dir(a.config, a.tiny, device, Path(tmp) / "model")
-        report["parity"] = parity(path, device, backends, ["off", "auto"])
-        _print_table("parity: engine vs HF generate (greedy)", report["parity"])
-        report["throughput"] = []
-        for backend in backends:
-            report["throughput"] += throughput(path, device, dtype, backend, batch, new_tokens)[: None if backend == backends[-1] else 1]
-        _print_table(f"throughput: {batch} prompts x {new_tokens} new tokens, {dtype}", report["throughput"])
-        hbm = _hbm(device, a.hbm_gbps)
-        report["roofline"] = roofline(path, device, dtype, backends[-1], [1, 8, 64] if cuda else [1, 2], hbm)
-        _print_table(f"decode step vs roofline (HBM {hbm or 'unknown'} GB/s)", report["roofline"])
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model_dir(a.config, a.tiny, device, Path(tmp) / "model", a.tokenizer)
+        for section in a.sections.split(","):
+            t0 = time.perf_counter()
+            try:
+                _run_section(section, report, path, device, dtype, backends, batch, new_tokens, a.hbm_gbps,
+                             a.parity_dtypes.split(","))
+            except Exception as exc:  # one broken part must not hide the others' figures
+                report[f"{section}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+                print(f"\n== {section}: FAILED {report[f'{section}_error']}")
+            report.setdefault("section_seconds", {})[section] = round(time.perf_counter() - t0, 1)
+            a.out.write_text(json.dumps(report, indent=1))  # a run cut short keeps what it measured
     print(f"\nwrote {a.out}")
 
 
