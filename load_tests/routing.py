@@ -27,11 +27,12 @@ import random
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from batcher.model_loader import load_tokenizer
 from batcher.simulated import preset_for
 from cluster.local_serve import local_serve
 from load_tests.bench_client import BenchRecord, BenchRequest, Target, run_load
 from load_tests.bench_metrics import summarize as summarize_load
-from load_tests.routing_replay import decisions_ttfts, exact_loads_ttfts
+from load_tests.routing_replay import REPLICA_HEADER, chat_turns, decisions_ttfts, exact_loads_ttfts
 from load_tests.routing_trace import TraceWorkload, trace_workload
 from router.scoring import EngineShape, prefill_rate
 
@@ -49,9 +50,6 @@ _WORDS = ("data model serve token cache route replica batch queue stream system 
 
 def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words)) + "."
-
-
-REPLICA_HEADER = "x-iterserve-replica"
 
 
 def sessions(kind: str, users: int, turns: int, system_words: int, user_words: int, max_tokens: int,
@@ -126,7 +124,7 @@ def trace_of(args) -> TraceWorkload:
 
 
 def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
-              trace: Optional[TraceWorkload]) -> Dict[str, Dict[str, dict]]:
+              trace: Optional[TraceWorkload], tokenizer) -> Dict[str, Dict[str, dict]]:
     from ray import serve
 
     results: Dict[str, Dict[str, dict]] = {}
@@ -148,15 +146,19 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
                 target = Target(url, record_headers=(REPLICA_HEADER,))
                 work = sessions(kind, users, args.turns, args.system_words, args.user_words, args.max_tokens, args.seed)
                 result = asyncio.run(run_load(target, work, timeout_s=args.timeout_s))
-            results.setdefault(kind, {})[name] = summarize(result.records, result.duration_s, replicas)
-            if trace is not None and kind == "trace":
-                results[kind][name]["infinite_cache_share"] = trace.infinite_cache_share
-                results[kind][name]["prefill_load"] = prefill_load(trace, args.preset, replicas)
-                replica_of = {r.index: r.headers.get(REPLICA_HEADER) for r in result.records if r.ok}
-                results[kind][name].update(exact, **decisions_ttfts(
-                    prompts, max_tokens, trace.arrivals, [replica_of.get(i) for i in range(len(prompts))], step,
-                    SHAPE, replicas))
-            print(f"  {replicas} replicas, {name:20s} {kind:7s} {results[kind][name]}", flush=True)
+            m = results.setdefault(kind, {})[name] = summarize(result.records, result.duration_s, replicas)
+            if kind == "trace":
+                m.update(infinite_cache_share=trace.infinite_cache_share,
+                         prefill_load=prefill_load(trace, args.preset, replicas), **exact)
+                by_index = {r.index: r for r in result.records if r.ok}
+                ok = [by_index.get(i) for i in range(len(prompts))]
+                m.update(decisions_ttfts(prompts, max_tokens, trace.arrivals, [r and r.headers.get(REPLICA_HEADER) for r in ok],
+                                         step, SHAPE, replicas, [r.ttft_s if r else float("nan") for r in ok]))
+            else:  # the run's own send times: a closed loop's arrivals depend on its router
+                turns, budgets, sent, replica_of, ttfts = chat_turns(work, result.records, tokenizer)
+                m.update(exact_loads_ttfts(turns, budgets, sent, step, SHAPE, replicas),
+                         **decisions_ttfts(turns, budgets, sent, replica_of, step, SHAPE, replicas, ttfts))
+            print(f"  {replicas} replicas, {name:20s} {kind:7s} {m}", flush=True)
         serve.delete(app)
     return results
 
@@ -212,18 +214,22 @@ def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> L
                       f"{m['failed']:>6}")
             checks += [(n, kind, what, met) for what, met in targets(kind, by_router)]
     for n, by_kind in all_results.items():
-        trace = by_kind.get("trace", {})
-        load = next((m["prefill_load"] for m in trace.values()), None)
+        load = next((m["prefill_load"] for m in by_kind.get("trace", {}).values()), None)
         if load is not None:
             print(f"trace on {n} replicas: its uncached prompt tokens, even with an infinite cache, take "
                   f"{load:.0%} of the fleet's prefill capacity (full steps, sim:{preset}'s model)")
-            exact = next(iter(trace.values()))
-            print(f"  TTFT of the routers' decisions replayed through sim:{preset}'s step-time model, no Serve "
-                  f"(load_tests.routing_replay; a MODEL): " + ", ".join(
-                      f"{name} p50 {m['modelled_ttft_ms_p50']:.0f} / p90 {m['modelled_ttft_ms_p90']:.0f} ms"
-                      for name, m in trace.items() if "modelled_ttft_ms_p90" in m)
-                  + f"; LLMRouter's scoring with exact loads p50 {exact['exact_loads_ttft_ms_p50']:.0f} / "
-                    f"p90 {exact['exact_loads_ttft_ms_p90']:.0f} ms")
+        for kind, by_router in by_kind.items():
+            replayed = {name: m for name, m in by_router.items() if "modelled_ttft_ms_p90" in m}
+            if replayed:
+                print(f"  {n} replicas, {kind}: each router's decisions replayed through sim:{preset}'s step-time "
+                      f"model, no Serve (load_tests.routing_replay; a MODEL); LLMRouter's scoring on the same "
+                      f"arrivals with exact loads; the rest of the client's TTFT, outside the engine:")
+                for name, m in replayed.items():
+                    print(f"    {name:20s} replayed p50 {m['modelled_ttft_ms_p50']:.0f} / p90 "
+                          f"{m['modelled_ttft_ms_p90']:.0f} ms, exact loads p50 {m['exact_loads_ttft_ms_p50']:.0f} / "
+                          f"p90 {m['exact_loads_ttft_ms_p90']:.0f} ms, outside p50 "
+                          f"{m.get('outside_engine_ms_p50', float('nan')):.0f} / p90 "
+                          f"{m.get('outside_engine_ms_p90', float('nan')):.0f} ms")
     print("\ntargets (llm-router):")
     for n, kind, what, met in checks:
         print(f"  {n} replicas, {kind:7s} {what:48s} {'met' if met else 'MISSED'}")
@@ -279,8 +285,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     apps = {n: {name: build_app(app_config(args, ROUTERS[name], n)) for name in args.routers} for n in fleets}
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     trace = trace_of(args) if "trace" in args.workloads else None  # built once: hashing every prompt
+    tokenizer = load_tokenizer(f"sim:{args.preset}")  # the chat replays tokenize as the ingress does
     with local_serve(num_cpus=2, logging_level="ERROR") as server:
-        results = {n: run_fleet(args, n, apps[n], server.url, trace) for n in fleets}
+        results = {n: run_fleet(args, n, apps[n], server.url, trace, tokenizer) for n in fleets}
     checks = report(results, args.preset)
     out = {"simulated": f"sim:{args.preset}", "args": vars(args), "results": results, "targets": checks}
     if trace is not None:

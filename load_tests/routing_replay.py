@@ -24,9 +24,14 @@ import numpy as np
 
 from batcher.block_hash import cacheable_block_hashes, root_hash
 from batcher.simulated import StepTimeModel
+from deployments.prompts import prompt_token_ids
+from deployments.protocol import GenerateRequest
+from load_tests.bench_client import BenchRecord, BenchRequest
 from load_tests.routing_trace import cached_tokens, leading_blocks
 from router.config import LLMRouterConfig
 from router.scoring import EngineShape, FleetLoads, RoutingRequest, score_replicas
+
+REPLICA_HEADER = "x-iterserve-replica"  # the ingress's X-Iterserve-Replica, as the client records it
 
 
 @dataclass
@@ -149,14 +154,40 @@ def exact_loads(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ste
     return choose
 
 
+def chat_turns(work: Sequence[BenchRequest], records: Sequence[BenchRecord], tokenizer) -> tuple:
+    """A chat run's answered turns as the replay's requests, in the order they were sent: (prompts,
+    max_tokens, arrivals, replicas, client TTFTs). Each turn's prompt is its session's history rebuilt
+    from the answers recorded, in the engine's tokens (the ingress's template and tokenizer); its send
+    time is its arrival. The replay's caches start cold (the real fleet's hold the system prompts of
+    the workloads before)."""
+    answers = {(r.index, r.turn): r.output_text for r in records if r.ok}
+    turns = []
+    for r in sorted((r for r in records if r.ok), key=lambda r: r.start_s):
+        req = work[r.index]
+        history = list(req.messages)
+        for t in range(r.turn):
+            history += [{"role": "assistant", "content": answers[(r.index, t)]},
+                        {"role": "user", "content": req.followups[t]}]
+        ids = prompt_token_ids(tokenizer, GenerateRequest(messages=history))
+        turns.append((ids, req.max_tokens, r.start_s, r.headers.get(REPLICA_HEADER), r.ttft_s))
+    return tuple(map(list, zip(*turns))) if turns else ([], [], [], [], [])
+
+
 def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
-                    replica_of: Sequence[Optional[str]], step: StepTimeModel, shape: EngineShape, replicas: int) -> dict:
+                    replica_of: Sequence[Optional[str]], step: StepTimeModel, shape: EngineShape, replicas: int,
+                    client_ttft_s: Optional[Sequence[float]] = None) -> dict:
     """For the routing benchmark: TTFT p50/p90 (ms) of a run's decisions in the model; none when a
-    request has no replica (it failed)."""
+    request has no replica (it failed). With the client's TTFTs, also what each request spent outside
+    the modelled engine (HTTP, Serve's hops, routing, this machine's load): client less modelled."""
     if not all(replica_of):
         return {}
     r = replay(prompts, max_tokens, arrivals, assigned(replica_of), step, shape, replicas)
-    return {"modelled_ttft_ms_p50": r.ttft_ms(50), "modelled_ttft_ms_p90": r.ttft_ms(90)}
+    out = {"modelled_ttft_ms_p50": r.ttft_ms(50), "modelled_ttft_ms_p90": r.ttft_ms(90)}
+    if client_ttft_s is not None:
+        outside = np.array(client_ttft_s, dtype=float) - np.array(r.ttft_s)
+        out.update(outside_engine_ms_p50=float(np.nanpercentile(outside, 50) * 1000),
+                   outside_engine_ms_p90=float(np.nanpercentile(outside, 90) * 1000))
+    return out
 
 
 def exact_loads_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],

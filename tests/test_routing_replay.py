@@ -44,9 +44,37 @@ def test_the_benchmark_prints_the_replayed_ttfts_beside_the_measured_ones(capsys
            "ttft_ms_p99": 700.0, "output_tokens_per_s": 100.0, "inflight_max_over_mean": 1.2,
            "infinite_cache_share": 0.3, "prefill_load": 0.5, "exact_loads_ttft_ms_p50": 180.0,
            "exact_loads_ttft_ms_p90": 380.0}
-    results = {4: {"trace": {"serve-default": {**row, "modelled_ttft_ms_p50": 290.0, "modelled_ttft_ms_p90": 690.0},
-                             "llm-router": {**row, "modelled_ttft_ms_p50": 200.0, "modelled_ttft_ms_p90": 401.0}}}}
+    results = {4: {"trace": {"serve-default": {**row, "modelled_ttft_ms_p50": 290.0, "modelled_ttft_ms_p90": 690.0,
+                                               "outside_engine_ms_p50": 70.0, "outside_engine_ms_p90": 120.0},
+                             "llm-router": {**row, "modelled_ttft_ms_p50": 200.0, "modelled_ttft_ms_p90": 401.0,
+                                            "outside_engine_ms_p50": 81.0, "outside_engine_ms_p90": 150.0}}}}
     report(results, "h100-llama3-8b")
     out = capsys.readouterr().out
-    assert "serve-default p50 290 / p90 690 ms, llm-router p50 200 / p90 401 ms" in out
-    assert "exact loads p50 180 / p90 380 ms" in out
+    assert ("serve-default        replayed p50 290 / p90 690 ms, exact loads p50 180 / p90 380 ms, "
+            "outside p50 70 / p90 120 ms") in out
+    assert "llm-router           replayed p50 200 / p90 401 ms" in out and "outside p50 81 / p90 150 ms" in out
+
+
+def test_a_chat_run_replays_each_turn_with_its_history_in_send_order():
+    from transformers import AutoTokenizer
+
+    from batcher.model_loader import embedded_model_dir
+    from deployments.prompts import prompt_token_ids
+    from deployments.protocol import GenerateRequest
+    from load_tests.bench_client import BenchRecord, BenchRequest
+    from load_tests.routing_replay import REPLICA_HEADER, chat_turns
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    work = [BenchRequest(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}],
+                         followups=("More.",), max_tokens=5),
+            BenchRequest(messages=[{"role": "user", "content": "Other."}], max_tokens=7)]
+    rec = lambda i, turn, t, answer, replica, ok=True: BenchRecord(
+        index=i, turn=turn, start_s=t, status=200 if ok else 0, ttft_s=0.1, output_text=answer,
+        headers={REPLICA_HEADER: replica})
+    records = [rec(0, 0, 0.0, "Hello.", "a"), rec(1, 0, 0.5, None, "b", ok=False), rec(0, 1, 1.0, "Sure.", "b")]
+    prompts, budgets, sent, replicas, ttfts = chat_turns(work, records, tok)
+    assert sent == [0.0, 1.0] and replicas == ["a", "b"] and budgets == [5, 5]  # the failed turn left out
+    second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More."}]
+    assert prompts[1] == prompt_token_ids(tok, GenerateRequest(messages=second))
+    assert prompts[1][:len(prompts[0])] == prompts[0]  # a later turn extends the earlier one's prompt
