@@ -30,7 +30,7 @@ from deployments.openai_protocol import (ChatCompletion, ChatCompletionChunk, Ch
                                          TextCompletion, Usage, new_id)
 from deployments.limits import BodySizeLimit, RequestLimits
 from deployments.lora_api import LoadLoRAAdapterRequest, LoRAAdapterResponse, UnloadLoRAAdapterRequest
-from deployments.prompts import prepare
+from deployments.prompts import PromptPreparer
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, PreparedRequest
 from router import feedback
 
@@ -57,8 +57,10 @@ class OpenAIIngress:
         self.config = IngressConfig.model_validate(ingress_config or {})
         self.api_keys = load_api_keys(self.config.api_keys_env, self.config.api_key_file)  # fails the deploy
 
-        # Chat template and tokenization happen here, once per request (see deployments/prompts.py).
+        # Chat template and tokenization happen here, once per request, off the event loop
+        # (deployments/prompts.py).
         self.tokenizer = load_tokenizer(engine_model)
+        self._preparer = PromptPreparer(self.tokenizer)
         self.llm = llm
         self.llm_stream = llm.options(stream=True)
         self.model_name = model_name
@@ -179,8 +181,7 @@ class OpenAIIngress:
 
     async def _prepare(self, request: Union[GenerateRequest, dict]) -> PreparedRequest:
         """The one request path: every request, HTTP or handle, becomes a PreparedRequest here."""
-        limits = await self._request_limits()
-        return prepare(self.tokenizer, request, limits, (await self._registry()).resolve)
+        return await self._preparer(request, await self._request_limits(), (await self._registry()).resolve)
 
     def _llm(self, request: PreparedRequest, stream: bool = False) -> DeploymentHandle:
         """With its adapter as Serve's multiplexed model id: routers prefer the replicas holding it."""

@@ -82,3 +82,44 @@ def test_prepare_templates_tokenizes_and_resolves_max_tokens_once():
     with pytest.raises(APIError) as info:
         prepare(tok, {"prompt": "x", "prompt_token_ids": [1]}, limits)  # callers cannot forge the ids
     assert info.value.status_code == 400 and "prompt_token_ids" in str(info.value)
+
+
+def test_the_ingress_prepares_off_its_event_loop():
+    """A long prompt's template and tokenization run in the preparer's thread: the event loop keeps
+    relaying streams and routing meanwhile (on the loop, a wave of chats queued behind each other's
+    tokenization). Measured by a ticker on the loop: its longest gap is a fraction of the prepare."""
+    import asyncio
+    import time
+
+    from batcher.model_loader import load_tokenizer
+    from deployments.config import LimitsConfig
+    from deployments.limits import RequestLimits
+    from deployments.prompts import PromptPreparer
+
+    tok = load_tokenizer(SMOL)
+    text = "a fairly long turn of a conversation, " * 8000  # ~72k tokens: a few hundred ms to tokenize
+    limits = RequestLimits(LimitsConfig(), 200_000, len(tok))
+    preparer = PromptPreparer(tok)
+
+    async def prepare_while_ticking():
+        gaps, done = [], asyncio.Event()
+
+        async def tick():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.01)
+        t0 = time.perf_counter()
+        out = await preparer({"messages": [{"role": "user", "content": text}], "max_tokens": 1}, limits)
+        took = time.perf_counter() - t0
+        done.set()
+        await ticker
+        return out, took, max(gaps)
+
+    out, took, longest_gap = asyncio.run(prepare_while_ticking())
+    assert len(out.prompt_token_ids) > 50_000 and out.max_tokens == 1
+    assert longest_gap < took / 4, (longest_gap, took)
