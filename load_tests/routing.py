@@ -10,9 +10,10 @@ HTTP, streaming chat with usage:
 - unique: one-turn chats with a prompt of their own (nothing to share);
 - trace:  a public production trace with prefix block ids (Mooncake's conversation trace), replayed
           at its arrival times (a window, time- and rate-scaled, token-scaled) over the completions
-          API (load_tests.routing_trace), with what an infinite prefix cache would reach on it, and
-          each router's decisions replayed through the step-time model without Serve, beside
-          LLMRouter's scoring with exact loads (load_tests.routing_replay: decisions apart from plumbing).
+          API (load_tests.routing_trace), with what an infinite prefix cache would reach on it.
+Every workload's decisions are replayed through the step-time model without Serve, beside LLMRouter's
+scoring with exact loads and each request's time outside the engine (load_tests.routing_replay:
+decisions apart from plumbing).
 Reports cached-token share, TTFT p50/p90/p99, failures, output tokens/s and the time-weighted max/mean of in-flight
 requests per replica (from the X-Iterserve-Replica header of each answer); writes JSON. Bounded: fixed sessions
 (users per replica x fleet size), a timeout per request. The client is the load generator's (load_tests.bench_client).
@@ -152,8 +153,9 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
                          prefill_load=prefill_load(trace, args.preset, replicas), **exact)
                 by_index = {r.index: r for r in result.records if r.ok}
                 ok = [by_index.get(i) for i in range(len(prompts))]
-                m.update(decisions_ttfts(prompts, max_tokens, trace.arrivals, [r and r.headers.get(REPLICA_HEADER) for r in ok],
-                                         step, SHAPE, replicas, [r.ttft_s if r else float("nan") for r in ok]))
+                replica_of = [r and r.headers.get(REPLICA_HEADER) for r in ok]
+                ttfts = [r.ttft_s if r else float("nan") for r in ok]
+                m.update(decisions_ttfts(prompts, max_tokens, trace.arrivals, replica_of, step, SHAPE, replicas, ttfts))
             else:  # the run's own send times: a closed loop's arrivals depend on its router
                 turns, budgets, sent, replica_of, ttfts = chat_turns(work, result.records, tokenizer)
                 m.update(exact_loads_ttfts(turns, budgets, sent, step, SHAPE, replicas),

@@ -192,7 +192,7 @@ def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
 
 def exact_loads_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
                       step: StepTimeModel, shape: EngineShape, replicas: int) -> dict:
-    """For the routing benchmark: TTFT p50/p90 (ms) of LLMRouter's scoring with exact loads (the
-    trace's yardstick, the same for every router of a fleet)."""
+    """For the routing benchmark: TTFT p50/p90 (ms) of LLMRouter's scoring with exact loads, the
+    yardstick of the same arrivals (the trace's: one per fleet; a chat run's: its own)."""
     r = replay(prompts, max_tokens, arrivals, exact_loads(prompts, max_tokens, step, shape), step, shape, replicas)
     return {"exact_loads_ttft_ms_p50": r.ttft_ms(50), "exact_loads_ttft_ms_p90": r.ttft_ms(90)}
