@@ -56,15 +56,13 @@ def test_the_benchmark_prints_the_replayed_ttfts_beside_the_measured_ones(capsys
 
 
 def test_a_chat_run_replays_each_turn_with_its_history_in_send_order():
-    from transformers import AutoTokenizer
-
-    from batcher.model_loader import embedded_model_dir
+    from batcher.model_loader import load_tokenizer
     from deployments.prompts import prompt_token_ids
     from deployments.protocol import GenerateRequest
     from load_tests.bench_client import BenchRecord, BenchRequest
     from load_tests.routing_replay import REPLICA_HEADER, chat_turns
 
-    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    tok = load_tokenizer("smollm2-135m-instruct")
     work = [BenchRequest(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}],
                          followups=("More.",), max_tokens=5),
             BenchRequest(messages=[{"role": "user", "content": "Other."}], max_tokens=7)]
