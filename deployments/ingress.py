@@ -35,6 +35,7 @@ from deployments.protocol import GenerateChunk, GenerateRequest, GenerateRespons
 from router import feedback
 
 REPLICA_HEADER = "X-Iterserve-Replica"  # which LLM replica served the request (routing is observable)
+TIMING_HEADER = "Server-Timing"  # where the first token's time went (request_log.RequestLogEntry.server_timing)
 api = FastAPI(title="iterserve", description="OpenAI-compatible LLM serving on Ray Serve")
 install_error_handlers(api)
 
@@ -78,7 +79,7 @@ class OpenAIIngress:
             app.add_middleware(APIKeyAuth, keys=self.api_keys)
         if self.config.cors_allow_origins:
             app.add_middleware(CORSMiddleware, allow_origins=self.config.cors_allow_origins, allow_methods=["*"],
-                               allow_headers=["*"], expose_headers=[REPLICA_HEADER, "Retry-After"])
+                               allow_headers=["*"], expose_headers=[REPLICA_HEADER, TIMING_HEADER, "Retry-After"])
         return app
 
     # ---- typed Python API (other Ray jobs) -------------------------------------------------------
@@ -142,11 +143,13 @@ class OpenAIIngress:
         rid, created = new_id("chatcmpl"), int(time.time())
         log = request_log.begin(rid, bool(body.stream))
         request = await self._from_body(body, rid)
+        log.prepared()
         if body.stream:
             return await self._stream_response(request, self._chat_events(body, rid, created), log)
         out = await self._generate(request)
         log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
+        response.headers[TIMING_HEADER] = log.server_timing(out.replica_ttft_s)
         output = ChatOutput(body, self.config.tool_call_parser)
         return ChatCompletion(id=rid, created=created, model=body.model or self.model_name,
                               choices=[output.choice_of(c) for c in out.choices or [out]], usage=Usage.of(out))
@@ -156,11 +159,13 @@ class OpenAIIngress:
         rid, created = new_id("cmpl"), int(time.time())
         log = request_log.begin(rid, bool(body.stream))
         request = await self._from_body(body, rid)
+        log.prepared()
         if body.stream:
             return await self._stream_response(request, self._completion_events(body, rid, created), log)
         out = await self._generate(request)
         log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
+        response.headers[TIMING_HEADER] = log.server_timing(out.replica_ttft_s)
         return TextCompletion(
             id=rid, created=created, model=body.model or self.model_name,
             choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
@@ -198,9 +203,10 @@ class OpenAIIngress:
             raise
         except Exception as e:
             raise self._api_error(e) from None
-        log.first_token()
+        log.first_token(first.replica_ttft_s)
         return StreamingResponse(self._relay(request, gen, first, events, log), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", REPLICA_HEADER: first.replica_id})
+                                 headers={"Cache-Control": "no-cache", REPLICA_HEADER: first.replica_id,
+                                          TIMING_HEADER: log.server_timing()})
 
     async def _relay(self, request: PreparedRequest, gen, first: GenerateChunk, events,
                      log: request_log.RequestLogEntry) -> AsyncIterator[str]:

@@ -84,6 +84,8 @@ class LLMServer:
                     await self._saw_adapter(request.lora_name)
                 for chunk in self._chunks(batch):
                     timer.saw(len(chunk.token_ids))
+                    if not generated:
+                        chunk.replica_ttft_s = timer.ttft_s
                     reason, generated[chunk.index] = chunk.finish_reason or reason, chunk.completion_tokens
                     yield chunk
         except _ENGINE_ERRORS as e:
@@ -117,7 +119,7 @@ class LLMServer:
         return GenerateResponse(
             **{**dict(choices[0]), "completion_tokens": total}, request_id=outs[0].request_id,
             prompt_tokens=len(request.prompt_token_ids), cached_tokens=outs[0].num_cached_tokens,
-            replica_id=self.replica_id, choices=choices if len(choices) > 1 else [],
+            replica_id=self.replica_id, choices=choices if len(choices) > 1 else [], replica_ttft_s=timer.ttft_s,
         )
 
     def model_info(self) -> ModelInfo:

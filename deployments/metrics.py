@@ -137,6 +137,12 @@ class RequestTimer:
         if self.first_token is None and num_new_tokens:
             self.first_token = time.perf_counter()
 
+    @property
+    def ttft_s(self) -> Optional[float]:
+        """Seconds from arrival to the first token (None before it): the TTFT metric and the answer's
+        replica_ttft_s."""
+        return None if self.first_token is None else self.first_token - self.start
+
 
 class ReplicaMetrics:
     """The LLM replica's metrics: per-request timings observed, engine stats copied periodically."""
@@ -153,7 +159,7 @@ class ReplicaMetrics:
         now = time.perf_counter()
         m = self._m
         if timer.first_token is not None:
-            m["iterserve_time_to_first_token_seconds"].observe(timer.first_token - timer.start)
+            m["iterserve_time_to_first_token_seconds"].observe(timer.ttft_s)
             if finish_reason != "abort":
                 m["iterserve_e2e_request_latency_seconds"].observe(now - timer.start)
                 if num_output_tokens > 1:

@@ -140,6 +140,9 @@ class _GenerateOutput(GeneratedChoice):
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the replica's prefix cache supplied
     replica_id: Optional[str] = None  # the LLM replica that served it (HTTP: header X-Iterserve-Replica)
+    # Seconds from the LLM replica receiving the request to its first token: set on a stream's first
+    # chunk and on whole answers (HTTP: the Server-Timing header's replica-ttft).
+    replica_ttft_s: Optional[float] = None
 
 
 class GenerateChunk(_GenerateOutput):

@@ -2,7 +2,8 @@
 
 The line is a JSON object on the "ray.serve" logger, so it lands in the ingress replica's Serve log
 (`<ray logs>/serve/replica_<app>_OpenAIIngress_<id>.log`): request id, stream or not, HTTP status,
-error type, finish reason, token counts, TTFT and end-to-end seconds, the LLM replica that served it.
+error type, finish reason, token counts, TTFT and end-to-end seconds, the seconds to prepare the
+prompt and the LLM replica's own TTFT, the replica that served it.
 Never prompt or output text, never headers (API keys).
 """
 from __future__ import annotations
@@ -26,11 +27,24 @@ class RequestLogEntry:
     request_id: str
     stream: bool
     start: float = field(default_factory=time.perf_counter)
+    prepare_s: Optional[float] = None  # until the prompt was templated, tokenized and checked
     ttft_s: Optional[float] = None  # streams only: until the first chunk left the ingress
+    replica_ttft_s: Optional[float] = None  # the LLM replica's own, receipt to first token
     written: bool = False
 
-    def first_token(self) -> None:
-        self.ttft_s = time.perf_counter() - self.start
+    def prepared(self) -> None:
+        self.prepare_s = time.perf_counter() - self.start
+
+    def first_token(self, replica_ttft_s: Optional[float]) -> None:
+        self.ttft_s, self.replica_ttft_s = time.perf_counter() - self.start, replica_ttft_s
+
+    def server_timing(self, replica_ttft_s: Optional[float] = None) -> str:
+        """The Server-Timing header (ms): where a request's first token went. `prepare` (template,
+        tokens, limits), `replica-ttft` (the LLM replica's queue and prefill), `ttft` (the ingress's
+        whole, streams only): ttft - prepare - replica-ttft is routing and Serve's hops."""
+        parts = [("prepare", self.prepare_s), ("replica-ttft", replica_ttft_s or self.replica_ttft_s),
+                 ("ttft", self.ttft_s)]
+        return ", ".join(f"{name};dur={s * 1000:.1f}" for name, s in parts if s is not None)
 
     def write(self, status_code: int, out: "GenerateChunk | GenerateResponse | None" = None,
               error_type: Optional[str] = None, finish_reason: Optional[str] = None) -> None:
@@ -45,6 +59,9 @@ class RequestLogEntry:
             "output_tokens": out.completion_tokens if out else None,
             "cached_tokens": out.cached_tokens if out else None,
             "ttft_s": _round(self.ttft_s), "e2e_s": _round(time.perf_counter() - self.start),
+            "prepare_s": _round(self.prepare_s),
+            "replica_ttft_s": _round(self.replica_ttft_s if out is None or out.replica_ttft_s is None
+                                     else out.replica_ttft_s),
             "replica_id": out.replica_id if out else None,
         }
         logger.info(json.dumps(line, separators=(",", ":")))

@@ -33,7 +33,8 @@ from batcher.simulated import preset_for
 from cluster.local_serve import local_serve
 from load_tests.bench_client import BenchRecord, BenchRequest, Target, run_load
 from load_tests.bench_metrics import summarize as summarize_load
-from load_tests.routing_replay import REPLICA_HEADER, chat_turns, decisions_ttfts, exact_loads_ttfts
+from load_tests.routing_replay import (REPLICA_HEADER, TIMING_HEADER, chat_turns, decisions_ttfts, exact_loads_ttfts,
+                                       ttft_parts_line)
 from load_tests.routing_trace import TraceWorkload, trace_workload
 from router.scoring import EngineShape, prefill_rate
 
@@ -140,11 +141,11 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
         users = args.users_per_replica * replicas
         for kind in args.workloads:
             if kind == "trace":
-                target = Target(url, api="completions", record_headers=(REPLICA_HEADER,))
+                target = Target(url, api="completions", record_headers=(REPLICA_HEADER, TIMING_HEADER))
                 result = asyncio.run(run_load(target, trace.requests, arrivals=trace.arrivals,
                                               timeout_s=args.timeout_s))
             else:
-                target = Target(url, record_headers=(REPLICA_HEADER,))
+                target = Target(url, record_headers=(REPLICA_HEADER, TIMING_HEADER))
                 work = sessions(kind, users, args.turns, args.system_words, args.user_words, args.max_tokens, args.seed)
                 result = asyncio.run(run_load(target, work, timeout_s=args.timeout_s))
             m = results.setdefault(kind, {})[name] = summarize(result.records, result.duration_s, replicas)
@@ -154,12 +155,11 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
                 by_index = {r.index: r for r in result.records if r.ok}
                 ok = [by_index.get(i) for i in range(len(prompts))]
                 replica_of = [r and r.headers.get(REPLICA_HEADER) for r in ok]
-                ttfts = [r.ttft_s if r else float("nan") for r in ok]
-                m.update(decisions_ttfts(prompts, max_tokens, trace.arrivals, replica_of, step, SHAPE, replicas, ttfts))
+                m.update(decisions_ttfts(prompts, max_tokens, trace.arrivals, replica_of, step, SHAPE, replicas, ok))
             else:  # the run's own send times: a closed loop's arrivals depend on its router
-                turns, budgets, sent, replica_of, ttfts = chat_turns(work, result.records, tokenizer)
+                turns, budgets, sent, replica_of, turn_records = chat_turns(work, result.records, tokenizer)
                 m.update(exact_loads_ttfts(turns, budgets, sent, step, SHAPE, replicas),
-                         **decisions_ttfts(turns, budgets, sent, replica_of, step, SHAPE, replicas, ttfts))
+                         **decisions_ttfts(turns, budgets, sent, replica_of, step, SHAPE, replicas, turn_records))
             print(f"  {replicas} replicas, {name:20s} {kind:7s} {m}", flush=True)
         serve.delete(app)
     return results
@@ -232,6 +232,8 @@ def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> L
                           f"p90 {m['exact_loads_ttft_ms_p90']:.0f} ms, outside p50 "
                           f"{m.get('outside_engine_ms_p50', float('nan')):.0f} / p90 "
                           f"{m.get('outside_engine_ms_p90', float('nan')):.0f} ms")
+                    if "replica_ttft_ms_p50" in m:
+                        print(" " * 25 + ttft_parts_line(m))
     print("\ntargets (llm-router):")
     for n, kind, what, met in checks:
         print(f"  {n} replicas, {kind:7s} {what:48s} {'met' if met else 'MISSED'}")

@@ -32,6 +32,7 @@ from router.config import LLMRouterConfig
 from router.scoring import EngineShape, FleetLoads, RoutingRequest, score_replicas
 
 REPLICA_HEADER = "x-iterserve-replica"  # the ingress's X-Iterserve-Replica, as the client records it
+TIMING_HEADER = "server-timing"  # the ingress's Server-Timing: prepare, replica-ttft, ttft (ms)
 
 
 @dataclass
@@ -156,7 +157,7 @@ def exact_loads(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ste
 
 def chat_turns(work: Sequence[BenchRequest], records: Sequence[BenchRecord], tokenizer) -> tuple:
     """A chat run's answered turns as the replay's requests, in the order they were sent: (prompts,
-    max_tokens, arrivals, replicas, client TTFTs). Each turn's prompt is its session's history rebuilt
+    max_tokens, arrivals, replicas, records). Each turn's prompt is its session's history rebuilt
     from the answers recorded, in the engine's tokens (the ingress's template and tokenizer); its send
     time is its arrival. The replay's caches start cold (the real fleet's hold the system prompts of
     the workloads before)."""
@@ -169,25 +170,56 @@ def chat_turns(work: Sequence[BenchRequest], records: Sequence[BenchRecord], tok
             history += [{"role": "assistant", "content": answers[(r.index, t)]},
                         {"role": "user", "content": req.followups[t]}]
         ids = prompt_token_ids(tokenizer, GenerateRequest(messages=history))
-        turns.append((ids, req.max_tokens, r.start_s, r.headers.get(REPLICA_HEADER), r.ttft_s))
+        turns.append((ids, req.max_tokens, r.start_s, r.headers.get(REPLICA_HEADER), r))
     return tuple(map(list, zip(*turns))) if turns else ([], [], [], [], [])
 
 
 def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
                     replica_of: Sequence[Optional[str]], step: StepTimeModel, shape: EngineShape, replicas: int,
-                    client_ttft_s: Optional[Sequence[float]] = None) -> dict:
+                    records: Optional[Sequence[Optional[BenchRecord]]] = None) -> dict:
     """For the routing benchmark: TTFT p50/p90 (ms) of a run's decisions in the model; none when a
-    request has no replica (it failed). With the client's TTFTs, also what each request spent outside
-    the modelled engine (HTTP, Serve's hops, routing, this machine's load): client less modelled."""
+    request has no replica (it failed). With the client's records (request order, None where one
+    failed), also what each request spent outside the modelled engine (client TTFT less modelled),
+    and its parts from the ingress's Server-Timing header: the replica's own TTFT against the model's,
+    the ingress's prepare, routing and Serve's hops (its ttft less prepare and replica-ttft), the
+    proxy and HTTP (the client's TTFT less the ingress's)."""
     if not all(replica_of):
         return {}
     r = replay(prompts, max_tokens, arrivals, assigned(replica_of), step, shape, replicas)
     out = {"modelled_ttft_ms_p50": r.ttft_ms(50), "modelled_ttft_ms_p90": r.ttft_ms(90)}
-    if client_ttft_s is not None:
-        outside = np.array(client_ttft_s, dtype=float) - np.array(r.ttft_s)
-        out.update(outside_engine_ms_p50=float(np.nanpercentile(outside, 50) * 1000),
-                   outside_engine_ms_p90=float(np.nanpercentile(outside, 90) * 1000))
+    if records is None:
+        return out
+    client = np.array([x.ttft_s if x and x.ttft_s is not None else math.nan for x in records], dtype=float)
+    timing = np.array([server_timing(x.headers.get(TIMING_HEADER) if x else None) for x in records], dtype=float)
+    prepare, replica_ttft, ingress_ttft = (timing[:, i] / 1000 for i in range(3))
+    parts = {"outside_engine": client - np.array(r.ttft_s), "replica_ttft": replica_ttft,
+             "replica_over_model": replica_ttft - np.array(r.ttft_s), "prepare": prepare,
+             "routing_and_hops": ingress_ttft - prepare - replica_ttft, "proxy_and_http": client - ingress_ttft}
+    for name, seconds in parts.items():
+        if not np.isnan(seconds).all():
+            out.update({f"{name}_ms_p50": float(np.nanpercentile(seconds, 50) * 1000),
+                        f"{name}_ms_p90": float(np.nanpercentile(seconds, 90) * 1000)})
     return out
+
+
+# The parts of a request's TTFT the ingress's Server-Timing header tells (decisions_ttfts' keys).
+TTFT_PARTS = (("replica TTFT", "replica_ttft"), ("replica - replayed", "replica_over_model"), ("prepare", "prepare"),
+              ("routing and hops", "routing_and_hops"), ("proxy and HTTP", "proxy_and_http"))
+
+
+def ttft_parts_line(m: dict) -> str:
+    return ", ".join(f"{what} p50 {m[f'{key}_ms_p50']:.0f} / p90 {m[f'{key}_ms_p90']:.0f}"
+                     for what, key in TTFT_PARTS if f"{key}_ms_p50" in m) + " ms"
+
+
+def server_timing(header: Optional[str]) -> tuple:
+    """(prepare, replica-ttft, ttft) in ms from a Server-Timing header; NaN for what it lacks."""
+    found = {}
+    for part in (header or "").split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if dur:
+            found[name] = float(dur)
+    return tuple(found.get(name, math.nan) for name in ("prepare", "replica-ttft", "ttft"))
 
 
 def exact_loads_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],

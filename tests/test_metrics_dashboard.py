@@ -64,7 +64,8 @@ def test_request_log_line_is_json_once_without_text():
         def run():
             request_log.failed(500, "internal_error")  # nothing begun in this context: no line
             record = request_log.begin("cmpl-1", stream=True)
-            record.first_token()
+            record.prepared()
+            record.first_token(0.002)
             out = GenerateResponse(request_id="cmpl-1", text="SECRET OUTPUT", token_ids=[5, 6], finish_reason="stop",
                                    prompt_tokens=7, completion_tokens=2, cached_tokens=4, replica_id="r1")
             record.write(200, out)
@@ -79,5 +80,6 @@ def test_request_log_line_is_json_once_without_text():
     assert line == {**line, "event": "iterserve_request", "request_id": "cmpl-1", "stream": True, "status_code": 200,
                     "error_type": None, "finish_reason": "stop", "prompt_tokens": 7, "output_tokens": 2,
                     "cached_tokens": 4, "replica_id": "r1"}
-    assert 0 <= line["ttft_s"] <= line["e2e_s"]
+    assert 0 <= line["ttft_s"] <= line["e2e_s"] and 0 <= line["prepare_s"] <= line["ttft_s"]
+    assert line["replica_ttft_s"] == 0.002  # the first chunk's (the answer in `out` has none)
     assert "SECRET" not in message

@@ -70,9 +70,35 @@ def test_a_chat_run_replays_each_turn_with_its_history_in_send_order():
         index=i, turn=turn, start_s=t, status=200 if ok else 0, ttft_s=0.1, output_text=answer,
         headers={REPLICA_HEADER: replica})
     records = [rec(0, 0, 0.0, "Hello.", "a"), rec(1, 0, 0.5, None, "b", ok=False), rec(0, 1, 1.0, "Sure.", "b")]
-    prompts, budgets, sent, replicas, ttfts = chat_turns(work, records, tok)
+    prompts, budgets, sent, replicas, kept = chat_turns(work, records, tok)
     assert sent == [0.0, 1.0] and replicas == ["a", "b"] and budgets == [5, 5]  # the failed turn left out
+    assert kept == [records[0], records[2]]
     second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
               {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More."}]
     assert prompts[1] == prompt_token_ids(tok, GenerateRequest(messages=second))
     assert prompts[1][:len(prompts[0])] == prompts[0]  # a later turn extends the earlier one's prompt
+
+
+def test_the_server_timing_header_splits_what_a_request_spent_outside_the_model(capsys):
+    from load_tests.bench_client import BenchRecord
+    from load_tests.routing import report
+    from load_tests.routing_replay import TIMING_HEADER, decisions_ttfts
+
+    prompts = [list(range(i * 100, i * 100 + 50)) for i in range(4)]
+    modelled = replay(prompts, [2] * 4, [0.0, 1.0, 2.0, 3.0], assigned(["a"] * 4), STEP, SHAPE, 1).ttft_s
+    # Each: the client's TTFT 40 ms over the modelled one; the replica saw 10 ms more than the model,
+    # the ingress spent 2 ms preparing and 8 in routing and hops, HTTP the remaining 20.
+    records = [BenchRecord(index=i, start_s=float(i), status=200, ttft_s=m + 0.040, headers={
+        TIMING_HEADER: f"prepare;dur=2.0, replica-ttft;dur={(m + 0.010) * 1000:.3f}, ttft;dur={(m + 0.020) * 1000:.3f}"})
+        for i, m in enumerate(modelled)]
+    records[3] = None  # a failed request counts in none of the parts
+    out = decisions_ttfts(prompts, [2] * 4, [0.0, 1.0, 2.0, 3.0], ["a"] * 4, STEP, SHAPE, 1, records)
+    expected = {"outside_engine": 40, "replica_over_model": 10, "prepare": 2, "routing_and_hops": 8, "proxy_and_http": 20}
+    for part, ms in expected.items():
+        assert out[f"{part}_ms_p50"] == pytest.approx(ms, abs=0.01) and out[f"{part}_ms_p90"] == pytest.approx(ms, abs=0.01)
+    row = {"requests": 4, "failed": 1, "cached_share": 0.0, "ttft_ms_p50": 1.0, "ttft_ms_p90": 1.0, "ttft_ms_p99": 1.0,
+           "output_tokens_per_s": 1.0, "inflight_max_over_mean": None, "exact_loads_ttft_ms_p50": 1.0,
+           "exact_loads_ttft_ms_p90": 1.0}
+    report({1: {"shared": {"llm-router": {**row, **out}}}}, "h100-llama3-8b")
+    assert ("replica - replayed p50 10 / p90 10, prepare p50 2 / p90 2, routing and hops p50 8 / p90 8, "
+            "proxy and HTTP p50 20 / p90 20 ms") in capsys.readouterr().out

@@ -56,20 +56,23 @@ def _stream(client, max_tokens: int):
 
 def _run_workload(client) -> dict:
     """Known traffic; returns what the clients saw."""
-    seen = {"ok": [], "errors": []}  # ok: (id, stream, usage, replica, text)
+    seen = {"ok": [], "errors": [], "timing": {}}  # ok: (id, stream, usage, replica, text); timing: id -> header
     for _ in range(2):  # the same chat twice: the second finds its prompt's full blocks cached
         r = _chat(client)
         assert r.status_code == 200, r.text
         b = r.json()
         seen["ok"].append((b["id"], False, b["usage"], r.headers["X-Iterserve-Replica"], b["choices"][0]["message"]["content"]))
+        seen["timing"][b["id"]] = r.headers["Server-Timing"]
     r = client.post("/v1/completions", json={"prompt": "One token only", "max_tokens": 1, "ignore_eos": True})
     assert r.status_code == 200, r.text
     b = r.json()
     seen["ok"].append((b["id"], False, b["usage"], r.headers["X-Iterserve-Replica"], b["choices"][0]["text"]))
+    seen["timing"][b["id"]] = r.headers["Server-Timing"]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         for headers, events in pool.map(lambda _: _stream(client, 60), range(6)):
             text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
             seen["ok"].append((events[0]["id"], True, events[-1]["usage"], headers["X-Iterserve-Replica"], text))
+            seen["timing"][events[0]["id"]] = headers["Server-Timing"]
     for bad in ({"model": "no-such-model"}, {"n": 0}, {"max_tokens": 5000}):
         r = _chat(client, **bad)
         seen["errors"].append((r.status_code, r.json()["error"]["type"]))
@@ -170,6 +173,16 @@ def test_one_log_line_per_request_without_text(obs):
         assert line["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
         assert line["e2e_s"] > 0
         assert (line["ttft_s"] is not None) is stream and (not stream or 0 < line["ttft_s"] <= line["e2e_s"])
+        # Server-Timing (ms) tells the same clocks: the replica's TTFT and the prompt's preparing sit
+        # within the ingress's TTFT (streams; whole answers have no ttft part).
+        timing = {k: float(v) for k, _, v in (p.strip().partition(";dur=") for p in obs["timing"][rid].split(","))}
+        assert set(timing) == ({"prepare", "replica-ttft", "ttft"} if stream else {"prepare", "replica-ttft"})
+        assert timing["prepare"] == pytest.approx(line["prepare_s"] * 1000, abs=0.1) and timing["prepare"] > 0
+        assert timing["replica-ttft"] == pytest.approx(line["replica_ttft_s"] * 1000, abs=0.1)
+        assert 0 < line["replica_ttft_s"] < line["e2e_s"]
+        if stream:
+            assert timing["ttft"] == pytest.approx(line["ttft_s"] * 1000, abs=0.1)
+            assert timing["prepare"] + timing["replica-ttft"] < timing["ttft"]
     failed = sorted((line["status_code"], line["error_type"]) for line in lines if line["request_id"] not in
                     {o[0] for o in ok})
     # unknown model, n=0, too long
