@@ -75,6 +75,32 @@ class RequestTrace:
             raise ValueError(f"speedup must be > 0, got {speedup}")
         return self._take(np.arange(len(self)), self.t_s / speedup, f"time x1/{speedup:g}")
 
+    def tick_s(self) -> float:
+        """The clock the timestamps were recorded at, if they were recorded at ticks shared by several
+        requests (most requests share their timestamp: Mooncake's are 3 s apart, ~10 requests each);
+        0 for arrival times of their own. The median gap between distinct timestamps."""
+        ticks = np.unique(self.t_s)
+        if len(ticks) < 2 or len(ticks) > len(self) / 2:
+            return 0.0
+        return float(np.median(np.diff(ticks)))
+
+    def spread_ticks(self, seed: int = 0) -> "RequestTrace":
+        """The requests of each tick (tick_s) spread uniformly over it, in their order: a tick's ~10
+        requests arrived some time within it, not all at once (replayed at the tick, they hit the
+        fleet as one synchronized burst every tick that no user sends). Unchanged without ticks."""
+        tick = self.tick_s()
+        if tick <= 0:
+            return self
+        rng = np.random.default_rng(seed)
+        starts, first = np.unique(self.t_s, return_index=True)
+        # A tick lasts until the next one (recorded clocks jitter: 2.999 s, 3.001 s), the last one tick_s.
+        lengths = np.minimum(np.diff(starts, append=np.inf), tick)
+        t = self.t_s.astype(float).copy()
+        for start, i, length in zip(starts, first, lengths):
+            n = int(np.searchsorted(self.t_s, start, side="right")) - i
+            t[i:i + n] = start + np.sort(rng.uniform(0.0, length, n))
+        return self._take(np.arange(len(self)), t, f"each {tick:g} s tick's requests spread over it")
+
     def rate_scaled(self, factor: float, seed: int = 0) -> "RequestTrace":
         """About `factor` times the requests, same shape over time: each request is kept floor(factor)
         times plus once more with probability frac(factor). Copies are other users (their prefix

@@ -67,6 +67,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--window-s", nargs=2, type=float, metavar=("START", "END"), help="only [START, END) of the trace")
     g.add_argument("--speedup", type=float, default=1.0, help="gaps divided by this (rates multiplied)")
     g.add_argument("--rate-scale", type=float, default=1.0, help="about this many times the requests, same shape")
+    g.add_argument("--at-ticks", action="store_true", help="a trace recorded at ticks (Mooncake's: 3 s): send each "
+                   "tick's requests together at its timestamp, not spread over the tick")
     g.add_argument("--token-scale", type=float, default=1.0,
                    help="prompt and prefix-block lengths times this (e.g. 0.1)")
     g.add_argument("--output-cap", type=int, help="max_tokens at most this")
@@ -123,6 +125,8 @@ def load_trace(args) -> RequestTrace:
     path = Path(args.trace)
     try:
         trace = load_request_trace(path if path.exists() else bundled(args.trace))
+        if not args.at_ticks:
+            trace = trace.spread_ticks(args.seed)
         if args.window_s:
             trace = trace.window(*args.window_s)
         if args.speedup != 1.0:

@@ -9,11 +9,12 @@ HTTP, streaming chat with usage:
 - skew:   the same, one system prompt taking half the users;
 - unique: one-turn chats with a prompt of their own (nothing to share);
 - trace:  a public production trace with prefix block ids (Mooncake's conversation trace), replayed
-          at its arrival times (a window, time- and rate-scaled, token-scaled) over the completions
-          API (load_tests.routing_trace), with what an infinite prefix cache would reach on it.
+          at its arrival times (each 3 s tick's requests spread over it; a window, time- and
+          rate-scaled, token-scaled) over the completions API (load_tests.routing_trace), with what
+          an infinite prefix cache would reach on it.
 Every workload's decisions are replayed through the step-time model without Serve, beside LLMRouter's
-scoring with exact loads and each request's time outside the engine (load_tests.routing_replay:
-decisions apart from plumbing).
+scoring with exact loads and each request's time outside the engine, split by the answers'
+Server-Timing headers (load_tests.routing_replay: decisions apart from plumbing).
 Reports cached-token share, TTFT p50/p90/p99, failures, output tokens/s and the time-weighted max/mean of in-flight
 requests per replica (from the X-Iterserve-Replica header of each answer); writes JSON. Bounded: fixed sessions
 (users per replica x fleet size), a timeout per request. The client is the load generator's (load_tests.bench_client).
@@ -122,7 +123,7 @@ def app_config(args, router_class: Optional[str], replicas: int) -> dict:
 def trace_of(args) -> TraceWorkload:
     return trace_workload(args.trace, args.trace_start_s, args.trace_window_s, args.trace_speedup, args.trace_rate,
                           args.trace_token_scale, args.trace_output_scale, args.trace_max_output,
-                          args.trace_max_prompt, block_size=SHAPE.block_size, seed=args.seed)
+                          args.trace_max_prompt, block_size=SHAPE.block_size, seed=args.seed, at_ticks=args.trace_at_ticks)
 
 
 def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
@@ -273,6 +274,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--trace-max-output", type=int, default=32)
     p.add_argument("--trace-max-prompt", type=int, default=1900, help="longer prompts are cut (prefix kept)")
     p.add_argument("--trace-kv-blocks", type=int, default=12000, help="per replica, for the trace workload")
+    p.add_argument("--trace-at-ticks", action="store_true", help="send a tick's requests together at its timestamp, "
+                   "as recorded (Mooncake's 3 s ticks), not spread over the tick")
     p.add_argument("--llm-router-kwargs", default="",
                    help='LLMRouter settings as JSON (router.request_router_kwargs), e.g. \'{"affinity_margin": 1.5}\'')
     p.add_argument("--stats-period-s", type=float, default=0.5)

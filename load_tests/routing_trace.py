@@ -55,12 +55,16 @@ def infinite_cache_share(prompts: Sequence[Sequence[int]], block_size: int) -> f
 
 def trace_workload(name: str, start_s: float, window_s: float, speedup: float, rate: float,
                    token_scale: float, output_scale: float, max_output: int, max_prompt: int,
-                   block_size: int, seed: int = 0) -> TraceWorkload:
+                   block_size: int, seed: int = 0, at_ticks: bool = False) -> TraceWorkload:
     """The trace's window [start_s, start_s + window_s), `speedup` times faster, `rate` times the
     users (rate_scaled: copies share nothing with the originals), prompts and prefix blocks
     `token_scale` times as long (cut at `max_prompt` tokens: a cut keeps the prefix), answers
-    `output_scale` times as long (1 to `max_output` tokens, EOS ignored)."""
-    trace = load_request_trace(bundled(name)).window(start_s, start_s + window_s).time_scaled(speedup)
+    `output_scale` times as long (1 to `max_output` tokens, EOS ignored). A trace recorded at ticks
+    (Mooncake's: 3 s) has each tick's requests spread over it (RequestTrace.spread_ticks) unless
+    `at_ticks`: then they are sent together at the tick, as recorded."""
+    trace = load_request_trace(bundled(name))
+    trace = trace if at_ticks else trace.spread_ticks(seed)
+    trace = trace.window(start_s, start_s + window_s).time_scaled(speedup)
     if rate != 1.0:
         trace = trace.rate_scaled(rate, seed)
     prompts = [prompt_token_ids(trace, i, TOKEN_RANGE, token_scale, seed)[:max_prompt] for i in range(len(trace))]

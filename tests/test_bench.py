@@ -213,6 +213,13 @@ def test_trace_replay_transforms_in_order_window_speedup_rate_duration_number():
     assert len(whole) == in_window and whole.notes == ["window 600-1000 s"]  # no bound: all of it
 
 
+def test_trace_replay_spreads_a_recorded_ticks_requests_unless_at_ticks():
+    base = ["--base-url", "x", "--workload", "trace", "--trace", "mooncake_conversation", "--window-s", "0", "60"]
+    spread, together = bench.load_trace(bench.parse_args(base)), bench.load_trace(bench.parse_args(base + ["--at-ticks"]))
+    assert spread.notes[0] == "each 3 s tick's requests spread over it" and together.notes == ["window 0-60 s"]
+    assert len(np.unique(together.t_s)) == 20 and len(np.unique(spread.t_s)) == len(spread)  # 20 ticks of 3 s
+
+
 def test_trace_replay_reads_a_trace_file_of_your_own(tmp_path):
     from cluster.request_traces import write_request_trace
     from cluster.synthetic_traces import sessions

@@ -122,6 +122,25 @@ def test_rate_scaling_multiplies_the_requests_and_keeps_the_shape(code, mooncake
     assert len(copies) == 500 and all(not (s & originals) for s in copies)
 
 
+def test_a_trace_recorded_at_ticks_spreads_each_ticks_requests_over_it(mooncake, code):
+    assert mooncake.tick_s() == 3.0 and code.tick_s() == 0.0  # Mooncake's 3 s clock; Azure's own times
+    assert code.spread_ticks() is code
+    spread = mooncake.spread_ticks(seed=1)
+    assert spread.hash_ids == mooncake.hash_ids and np.array_equal(spread.input_tokens, mooncake.input_tokens)
+    assert (np.diff(spread.t_s) >= 0).all() and len(np.unique(spread.t_s)) == len(spread)
+    # Each request stays within its tick: from its timestamp to the next tick's.
+    starts = np.unique(mooncake.t_s)
+    nxt = np.append(starts[1:], np.inf)[np.searchsorted(starts, mooncake.t_s)]
+    assert (spread.t_s >= mooncake.t_s).all() and (spread.t_s < np.minimum(nxt, mooncake.t_s + 3.0)).all()
+    # As recorded, ~10 requests land at once each tick; spread, a 100 ms window holds a few at most.
+    def same_100ms(t):  # per request, the requests in its 100 ms bin
+        bins = (t / 0.1).astype(int)
+        return np.bincount(bins)[bins]
+    assert np.median(same_100ms(mooncake.t_s)) >= 8 and np.percentile(same_100ms(spread.t_s), 99) <= 4
+    assert np.array_equal(mooncake.spread_ticks(seed=1).t_s, spread.t_s)
+    assert not np.array_equal(mooncake.spread_ticks(seed=2).t_s, spread.t_s)
+
+
 @pytest.mark.parametrize("bin_s", [1.0, 10.0, 60.0])
 def test_to_rate_integrates_to_the_request_count(code, bin_s):
     rate = code.to_rate(bin_s)

@@ -31,3 +31,13 @@ def test_a_trace_keeps_a_fleet_as_busy_as_its_uncached_tokens_against_the_preset
     gpu = prefill_load(slow, "h100-qwen2.5-32b-fp8", 4)
     assert cpu > 10 * gpu
     assert prefill_load(window(3.0, 1 / 4), "h100-qwen2.5-32b-fp8", 4) > 2 * gpu  # longer prompts, busier
+
+
+def test_the_trace_workload_spreads_a_ticks_requests_unless_asked_to_send_them_at_the_tick():
+    import numpy as np
+
+    spread = np.array(window(3.0).arrivals)
+    together = np.array(trace_workload("mooncake_conversation", 0.0, 120.0, 3.0, 1.0, 1 / 64, 1 / 16, 32, 1900,
+                                       block_size=8, at_ticks=True).arrivals)
+    assert len(np.unique(together)) <= 41 < len(together)  # 120 s of 3 s ticks, all of a tick's at once
+    assert len(np.unique(spread)) == len(spread)
