@@ -217,3 +217,33 @@ def test_a_replica_that_goes_away_leaves_nothing_behind(serving, how):
     assert gone() and router.ledger.num_requests() == 0
     assert serve.route(request(SYSTEM + [4], "after"), "k-after") == "b"
     assert len(router.ledger.inflight("b")) == 1 and router.index.replicas() == ["b"]
+
+
+def test_the_index_adds_no_garbage_collected_object_per_block():
+    """A full pass of Python's collector walks every tracked object: with a set of owners per block,
+    an index of 640,000 blocks stopped the ingress (its routing and streams) ~150 ms each time."""
+    import gc
+    import hashlib
+
+    index = PrefixIndex(50_000)
+    chains = [[hashlib.sha256(b"%d-%d" % (c, i)).digest() for i in range(100)] for c in range(200)]
+    gc.collect()
+    before = len(gc.get_objects())
+    for c, chain in enumerate(chains):
+        index.insert(f"r{c % 4}", chain)  # 20,000 blocks on 4 replicas
+        index.claim(f"r{(c + 1) % 4}", chain[:50])  # and claims of them elsewhere
+    gc.collect()
+    assert sum(index.num_blocks(f"r{k}") for k in range(4)) == 20_000
+    assert len(gc.get_objects()) - before < 100
+    assert index.matched_blocks(chains[5]) == {"r1": 100, "r2": 50}
+
+
+def test_a_removed_replicas_bit_goes_to_the_next_replica_without_its_blocks():
+    index = PrefixIndex(1000)
+    a, b = [bytes([1, i]) for i in range(4)], [bytes([2, i]) for i in range(4)]
+    index.insert("old", a)
+    index.insert("kept", a + b)
+    index.remove_replicas(["old"])
+    index.insert("new", b[:2])
+    assert index.matched_blocks(a + b) == {"kept": 8}  # "new" holds no prefix of it: none of "old"'s blocks
+    assert index.matched_blocks(b) == {"kept": 4, "new": 2}
