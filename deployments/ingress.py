@@ -149,7 +149,7 @@ class OpenAIIngress:
         out = await self._generate(request)
         log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
-        response.headers[TIMING_HEADER] = log.server_timing(out.replica_ttft_s)
+        response.headers[TIMING_HEADER] = log.server_timing()
         output = ChatOutput(body, self.config.tool_call_parser)
         return ChatCompletion(id=rid, created=created, model=body.model or self.model_name,
                               choices=[output.choice_of(c) for c in out.choices or [out]], usage=Usage.of(out))
@@ -165,7 +165,7 @@ class OpenAIIngress:
         out = await self._generate(request)
         log.write(200, out)
         response.headers[REPLICA_HEADER] = out.replica_id
-        response.headers[TIMING_HEADER] = log.server_timing(out.replica_ttft_s)
+        response.headers[TIMING_HEADER] = log.server_timing()
         return TextCompletion(
             id=rid, created=created, model=body.model or self.model_name,
             choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,

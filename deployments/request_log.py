@@ -38,12 +38,11 @@ class RequestLogEntry:
     def first_token(self, replica_ttft_s: Optional[float]) -> None:
         self.ttft_s, self.replica_ttft_s = time.perf_counter() - self.start, replica_ttft_s
 
-    def server_timing(self, replica_ttft_s: Optional[float] = None) -> str:
+    def server_timing(self) -> str:
         """The Server-Timing header (ms): where a request's first token went. `prepare` (template,
         tokens, limits), `replica-ttft` (the LLM replica's queue and prefill), `ttft` (the ingress's
         whole, streams only): ttft - prepare - replica-ttft is routing and Serve's hops."""
-        parts = [("prepare", self.prepare_s), ("replica-ttft", replica_ttft_s or self.replica_ttft_s),
-                 ("ttft", self.ttft_s)]
+        parts = [("prepare", self.prepare_s), ("replica-ttft", self.replica_ttft_s), ("ttft", self.ttft_s)]
         return ", ".join(f"{name};dur={s * 1000:.1f}" for name, s in parts if s is not None)
 
     def write(self, status_code: int, out: "GenerateChunk | GenerateResponse | None" = None,
@@ -52,6 +51,8 @@ class RequestLogEntry:
         if self.written:
             return
         self.written = True
+        if out is not None and out.replica_ttft_s is not None:  # a whole answer's (a stream's: first_token)
+            self.replica_ttft_s = out.replica_ttft_s
         line = {
             "event": EVENT, "request_id": self.request_id, "stream": self.stream, "status_code": status_code,
             "error_type": error_type, "finish_reason": finish_reason or (out.finish_reason if out else None),
@@ -60,8 +61,7 @@ class RequestLogEntry:
             "cached_tokens": out.cached_tokens if out else None,
             "ttft_s": _round(self.ttft_s), "e2e_s": _round(time.perf_counter() - self.start),
             "prepare_s": _round(self.prepare_s),
-            "replica_ttft_s": _round(self.replica_ttft_s if out is None or out.replica_ttft_s is None
-                                     else out.replica_ttft_s),
+            "replica_ttft_s": _round(self.replica_ttft_s),
             "replica_id": out.replica_id if out else None,
         }
         logger.info(json.dumps(line, separators=(",", ":")))

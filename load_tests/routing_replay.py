@@ -192,8 +192,9 @@ def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
     client = np.array([x.ttft_s if x and x.ttft_s is not None else math.nan for x in records], dtype=float)
     timing = np.array([server_timing(x.headers.get(TIMING_HEADER) if x else None) for x in records], dtype=float)
     prepare, replica_ttft, ingress_ttft = (timing[:, i] / 1000 for i in range(3))
-    parts = {"outside_engine": client - np.array(r.ttft_s), "replica_ttft": replica_ttft,
-             "replica_over_model": replica_ttft - np.array(r.ttft_s), "prepare": prepare,
+    modelled = np.array(r.ttft_s)
+    parts = {"outside_engine": client - modelled, "replica_ttft": replica_ttft,
+             "replica_over_model": replica_ttft - modelled, "prepare": prepare,
              "routing_and_hops": ingress_ttft - prepare - replica_ttft, "proxy_and_http": client - ingress_ttft}
     for name, seconds in parts.items():
         if not np.isnan(seconds).all():
