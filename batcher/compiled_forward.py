@@ -182,8 +182,9 @@ def build_step_forward(model: torch.nn.Module, compile: str, warm_up: Callable[[
         reason = _reason(exc)
         if compile != "auto":
             raise CompileError(f"compile={compile!r} failed for {type(model).__name__}: {reason}") from exc
+        # The traceback too: a bare AssertionError from inside dynamo/inductor says nothing on its own.
         logger.warning("compile=auto: %s cannot be compiled (%s); running eagerly", type(model).__name__,
-                       reason)
+                       reason, exc_info=True)
         return StepForward(model, "eager")
 
 

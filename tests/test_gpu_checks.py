@@ -1,0 +1,43 @@
+"""The device checks (`load_tests.gpu_features`, `load_tests.gpu_serve`) run here up to their CUDA-only
+parts, so a session lent a GPU spends its minutes measuring, not debugging the script: on CPU the
+features' every row equals its reference, and the Serve check's config is serve_config.gpu.yaml's
+application with only the documented changes."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from deployments.app import build_app, load_config
+from load_tests import gpu_features
+from load_tests.gpu_serve import ROOT, app_config
+
+
+def test_features_on_cpu_match_their_references(tmp_path, monkeypatch):
+    out = tmp_path / "features.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_features", "--device", "cpu", "--sections", "structured,async,compile_after_async",
+                                      "--out", str(out)])
+    gpu_features.main()
+    report = json.loads(out.read_text())
+    assert not [k for k in report if k.endswith("_error")], report
+    assert [r["forward_mode"] for r in report["structured"]] == ["eager", "inductor"]
+    for row in report["structured"]:
+        assert row["exact"] and row["rows"]["json"]["parses"], row
+        assert all(r.get("finish", "stop") == "stop" for r in row["rows"].values()), row
+    assert all(r["exact"] and r["streams"] == 12 for r in report["async"]), report["async"]
+    assert report["compile_after_async"] == [{"forward_mode": "inductor"}]
+
+
+def test_serve_check_deploys_the_gpu_config_with_only_the_documented_changes(tmp_path):
+    shipped = yaml.safe_load((ROOT / "serve_config.gpu.yaml").read_text())["applications"][0]["args"]
+    cfg = app_config(tmp_path / "model", {"a": str(tmp_path / "a")}, "cuda")
+    changed = {section: {k: v for k, v in cfg[section].items() if shipped.get(section, {}).get(k) != v}
+               for section in cfg if isinstance(cfg[section], dict)}
+    assert changed == {
+        "engine": {"model": str(tmp_path / "model"), "max_model_len": 1024, "kv_cache_memory_gib": 8.0,
+                   "lora": {"adapters": {"a": str(tmp_path / "a")}, "max_loras": 2}},
+        "replica": {}, "ingress": {"num_replicas": 1}, "stream": {}, "autoscaling": {"max_replicas": 1}, "router": {}}
+    assert load_config(cfg).engine.device == "cuda" and build_app(cfg) is not None
+    assert app_config(tmp_path / "model", {}, "cpu")["replica"]["num_gpus"] == 0
