@@ -28,7 +28,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from load_tests.gpu_forward import CONFIGS, _print_table, _timed, build_model_dir, engine, hf_model, prompts
+from load_tests.gpu_forward import (CONFIGS, build_model_dir, engine, first_difference, hf_greedy, hf_model, print_table,
+                                    prompts, timed)
 
 ADAPTERS = {"a": (1, 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
             "b": (2, 8, ["q_proj", "v_proj"]), "c": (3, 2, ["down_proj", "o_proj"])}
@@ -40,18 +41,6 @@ CONSTRAINTS = {
                       "required": ["colour", "size"], "additionalProperties": False}},
     "grammar": {"grammar": 'root ::= "yes" | "no" | "maybe: " [a-z] [a-z] [a-z]'},
 }
-
-
-def first_difference(got: List[int], want: List[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-
-
-def hf_greedy(model, prompt: List[int], n: int, **kw) -> List[int]:
-    ids = torch.tensor([prompt], device=model.device)
-    kw.setdefault("eos_token_id", None)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         pad_token_id=0, **kw)
-    return out[0, len(prompt):].tolist()
 
 
 def greedy_params(n: int, **kw):
@@ -147,7 +136,7 @@ def lora_throughput(path: Path, device: torch.device, dtype: str, backend: str, 
             while e.has_unfinished():
                 e.step()
         run(4, 4)  # warm: the adapters' graph, the adapters in their slots
-        s = _timed(run)
+        s = timed(run)
         rows.append({"batch": label, "forward_mode": e.runner.forward.mode, "seconds": s,
                      "tokens_per_s": batch * new_tokens / s})
     rows[1]["vs_base"] = rows[0]["seconds"] / rows[1]["seconds"]
@@ -241,7 +230,7 @@ def main() -> None:
                     rows = [lora_parity(tiny, adapters, device, backend, c) for c in compiles]
                     report["lora_throughput"] = lora_throughput(big, device, "bfloat16" if cuda else "float32", backend,
                                                                 batch, new_tokens, tmp / "big_adapters")
-                    _print_table(f"LoRA: {batch} prompts x {new_tokens} tokens", report["lora_throughput"])
+                    print_table(f"LoRA: {batch} prompts x {new_tokens} tokens", report["lora_throughput"])
                 elif section == "structured":
                     rows = [structured_parity(tiny, device, backend, c) for c in compiles]
                 elif section == "int8":
@@ -252,7 +241,7 @@ def main() -> None:
                 else:
                     raise ValueError(f"unknown section {section!r}")
                 report[section] = rows
-                _print_table(section, rows)
+                print_table(section, rows)
             except Exception as exc:  # one broken part must not hide the others' figures
                 report[f"{section}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 print(f"\n== {section}: FAILED {report[f'{section}_error']}")

@@ -56,11 +56,17 @@ def hf_model(path: Path, dtype: torch.dtype, device: torch.device):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def hf_greedy(model, prompt: List[int], n: int) -> List[int]:
+def hf_greedy(model, prompt: List[int], n: int, **kw) -> List[int]:
+    """HF `generate`, greedy; EOS neither stops nor is suppressed unless `kw` names one."""
     ids = torch.tensor([prompt], device=model.device)
+    kw.setdefault("eos_token_id", None)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
+                         pad_token_id=0, **kw)
     return out[0, len(prompt):].tolist()
+
+
+def first_difference(got: List[int], want: List[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
 def engine(path: Path, device: torch.device, dtype: str, backend: str, compile: str, **kw):
@@ -90,7 +96,7 @@ def parity(path: Path, device: torch.device, backends: List[str], compiles: List
                 try:
                     e = engine(path, device, dtype, backend, comp, num_kv_blocks=512, block_size=16)
                     got = [o.token_ids for o in e.generate(ps, greedy(n, len(ps)))]
-                    same = [next((i for i, (a, b) in enumerate(zip(g, x)) if a != b), n) for g, x in zip(got, expected)]
+                    same = [first_difference(g, x) for g, x in zip(got, expected)]
                     row.update(exact=got == expected, tokens_until_first_difference=same,
                                forward_mode=e.runner.forward.mode)
                 except Exception as exc:  # report and go on: one failing backend must not hide the others
@@ -99,7 +105,7 @@ def parity(path: Path, device: torch.device, backends: List[str], compiles: List
     return rows
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -115,7 +121,7 @@ def throughput(path: Path, device: torch.device, dtype: str, backend: str, batch
     rows = []
     e = engine(path, device, dtype, backend, "auto", max_num_seqs=batch, max_num_batched_tokens=2048)
     e.generate(ps[:2], greedy(4, 2))  # warm
-    s = _timed(lambda: e.generate(ps, greedy(new_tokens, batch)))
+    s = timed(lambda: e.generate(ps, greedy(new_tokens, batch)))
     rows.append({"system": f"iterserve ({backend}, {e.runner.forward.mode})", "seconds": s, "tokens_per_s": total / s})
     e = None  # its KV cache goes before HF's model comes
     model = hf_model(path, getattr(torch, dtype), device)
@@ -125,14 +131,14 @@ def throughput(path: Path, device: torch.device, dtype: str, backend: str, batch
     run = lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  do_sample=False, pad_token_id=0)
     run()  # warm
-    s = _timed(run)
+    s = timed(run)
     rows.append({"system": "HF generate, static batch", "seconds": s, "tokens_per_s": total / s})
     try:
         from transformers import GenerationConfig
 
         gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
         model.generate_batch(inputs=ps[:2], generation_config=gen)  # warm (graphs, kernels)
-        s = _timed(lambda: model.generate_batch(inputs=ps, generation_config=gen))
+        s = timed(lambda: model.generate_batch(inputs=ps, generation_config=gen))
         rows.append({"system": "transformers continuous batching (generate_batch)", "seconds": s,
                      "tokens_per_s": total / s})
     except Exception as exc:  # the API moves between transformers versions: report, don't stop
@@ -174,7 +180,7 @@ def _hbm(device: torch.device, override: float) -> float:
     return next((v for k, v in HBM_GBPS.items() if k in name), 0.0)
 
 
-def _print_table(title: str, rows: List[Dict]) -> None:
+def print_table(title: str, rows: List[Dict]) -> None:
     print(f"\n== {title}")
     if not rows:
         return
@@ -188,18 +194,18 @@ def _run_section(section: str, report: Dict, path: Path, device: torch.device, d
                  batch: int, new_tokens: int, hbm_override: float, parity_dtypes: List[str]) -> None:
     if section == "parity":
         report["parity"] = parity(path, device, backends, ["off", "auto"], parity_dtypes)
-        _print_table("parity: engine vs HF generate (greedy)", report["parity"])
+        print_table("parity: engine vs HF generate (greedy)", report["parity"])
     elif section == "throughput":
         report["throughput"] = []
         for backend in backends:
             rows = throughput(path, device, dtype, backend, batch, new_tokens)
             report["throughput"] += rows[: None if backend == backends[-1] else 1]
-        _print_table(f"throughput: {batch} prompts x {new_tokens} new tokens, {dtype}", report["throughput"])
+        print_table(f"throughput: {batch} prompts x {new_tokens} new tokens, {dtype}", report["throughput"])
     elif section == "roofline":
         hbm = _hbm(device, hbm_override)
         batches = [1, 8, 64] if device.type == "cuda" else [1, 2]
         report["roofline"] = roofline(path, device, dtype, backends[-1], batches, hbm)
-        _print_table(f"decode step vs roofline (HBM {hbm or 'unknown'} GB/s)", report["roofline"])
+        print_table(f"decode step vs roofline (HBM {hbm or 'unknown'} GB/s)", report["roofline"])
     else:
         raise ValueError(f"unknown section {section!r}; known: parity, throughput, roofline")
 
