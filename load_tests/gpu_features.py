@@ -204,7 +204,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--config", type=Path, default=CONFIGS / "llama-1b-like.json")
     ap.add_argument("--tokenizer", default="smollm2-135m-instruct")
-    ap.add_argument("--sections", default="async,lora,structured,int8")
+    ap.add_argument("--sections", default="lora,structured,int8,async,compile_after_async",
+                    help="in this order; async last: after it, compiles in this thread fell back to eager on an H100")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--out", type=Path, default=Path("results/gpu_features.json"))
