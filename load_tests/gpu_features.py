@@ -33,12 +33,13 @@ from load_tests.gpu_forward import (CONFIGS, build_model_dir, engine, first_diff
 
 ADAPTERS = {"a": (1, 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
             "b": (2, 8, ["q_proj", "v_proj"]), "c": (3, 2, ["down_proj", "o_proj"])}
+ITEM_SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "size": {"type": "integer", "minimum": 1, "maximum": 9}},
+               "required": ["colour", "size"], "additionalProperties": False}
 CONSTRAINTS = {
     "regex": {"regex": r"[A-Z][a-z]{2,8}, [0-9]{2}"},
     "choice": {"choice": ["Paris", "London", "Rome \"city\""]},
-    "json": {"json": {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
-                                                       "size": {"type": "integer", "minimum": 1, "maximum": 9}},
-                      "required": ["colour", "size"], "additionalProperties": False}},
+    "json": {"json": ITEM_SCHEMA},
     "grammar": {"grammar": 'root ::= "yes" | "no" | "maybe: " [a-z] [a-z] [a-z]'},
 }
 
@@ -159,19 +160,22 @@ def structured_parity(path: Path, device: torch.device, backend: str, compile: s
         want = hf_greedy(model, p, n, logits_processor=[LogitsProcessor(e.builder.grammars.compile(spec))],
                          eos_token_id=sorted(e.eos_token_ids))
         rows[kind] = {"exact": out.token_ids == want, "finish": out.finish_reason, "text": out.text[:60]}
-    rows["json"]["parses"] = _parses(outs[2].text)
+    rows["json"]["parses"] = is_item(outs[2].text)
     for i, out in enumerate(outs[len(specs):]):
         rows[f"plain/{i}"] = {"exact": out.token_ids == hf_greedy(model, plain[i], 12)}
     return {"backend": backend, "compile": compile, "forward_mode": e.runner.forward.mode,
             "exact": all(r["exact"] for r in rows.values()), "rows": rows}
 
 
-def _parses(text: str) -> bool:
+def is_item(text: str) -> bool:
+    """Whether `text` is JSON valid against ITEM_SCHEMA."""
+    import jsonschema
+
     try:
         value = json.loads(text)
     except ValueError:
         return False
-    return isinstance(value, dict) and value.get("colour") in ("red", "green", "blue") and 1 <= value.get("size", 0) <= 9
+    return jsonschema.Draft202012Validator(ITEM_SCHEMA).is_valid(value)
 
 
 def int8_compare(path: Path, device: torch.device, backend: str, batches: List[int]) -> List[Dict]:

@@ -24,12 +24,9 @@ import torch
 import yaml
 
 from load_tests.gpu_forward import CONFIGS, build_model_dir
-from load_tests.gpu_features import make_adapters
+from load_tests.gpu_features import ITEM_SCHEMA, is_item, make_adapters
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
-                                           "size": {"type": "integer", "minimum": 1, "maximum": 9}},
-          "required": ["colour", "size"], "additionalProperties": False}
 
 
 def app_config(model_dir: Path, adapters: Dict[str, str], device: str) -> dict:
@@ -79,24 +76,16 @@ async def checks(url: str, concurrency: int) -> List[Dict]:
         rows.append({"check": "LoRA adapter 'a'", "status": lora.status_code, "ok": lora.status_code == 200 and
                      lb["model"] == "a" and lb["choices"][0]["message"]["content"] != bb["choices"][0]["message"]["content"],
                      "detail": f"adapter {lb['choices'][0]['message']['content'][:40]!r} vs base {bb['choices'][0]['message']['content'][:40]!r}"})
-        fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA, "strict": True}}
+        fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": ITEM_SCHEMA, "strict": True}}
         r = await c.post("/v1/chat/completions", json=chat("random-1b", "An item as JSON", max_tokens=40, response_format=fmt))
         text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else ""
-        rows.append({"check": "response_format json_schema", "status": r.status_code, "ok": _valid(text), "detail": text[:60]})
+        rows.append({"check": "response_format json_schema", "status": r.status_code, "ok": is_item(text), "detail": text[:60]})
         r = await c.post("/v1/chat/completions", json=chat("random-1b", "x", max_tokens=-1))
         after = await c.get("/v1/models")
         rows.append({"check": "bad request, then serving on", "status": r.status_code,
                      "ok": r.status_code == 400 and "error" in r.json() and after.status_code == 200,
                      "detail": r.json().get("error", {}).get("message", "")[:80]})
     return rows
-
-
-def _valid(text: str) -> bool:
-    try:
-        v = json.loads(text)
-    except ValueError:
-        return False
-    return v.get("colour") in ("red", "green", "blue") and 1 <= v.get("size", 0) <= 9
 
 
 def _gpu_memory_mib() -> str:
