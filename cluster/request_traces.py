@@ -92,12 +92,11 @@ class RequestTrace:
         if tick <= 0:
             return self
         rng = np.random.default_rng(seed)
-        starts, first = np.unique(self.t_s, return_index=True)
+        starts, first, counts = np.unique(self.t_s, return_index=True, return_counts=True)
         # A tick lasts until the next one (recorded clocks jitter: 2.999 s, 3.001 s), the last one tick_s.
         lengths = np.minimum(np.diff(starts, append=np.inf), tick)
         t = self.t_s.astype(float).copy()
-        for start, i, length in zip(starts, first, lengths):
-            n = int(np.searchsorted(self.t_s, start, side="right")) - i
+        for start, i, n, length in zip(starts, first, counts, lengths):
             t[i:i + n] = start + np.sort(rng.uniform(0.0, length, n))
         return self._take(np.arange(len(self)), t, f"each {tick:g} s tick's requests spread over it")
 

@@ -28,8 +28,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from load_tests.gpu_forward import (CONFIGS, build_model_dir, engine, first_difference, hf_greedy, hf_model, print_table,
-                                    prompts, timed)
+from load_tests.gpu_forward import (CONFIGS, build_model_dir, engine, first_difference, greedy_params, hf_greedy, hf_model,
+                                    print_table, prompts, timed)
 
 ADAPTERS = {"a": (1, 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
             "b": (2, 8, ["q_proj", "v_proj"]), "c": (3, 2, ["down_proj", "o_proj"])}
@@ -42,12 +42,6 @@ CONSTRAINTS = {
     "json": {"json": ITEM_SCHEMA},
     "grammar": {"grammar": 'root ::= "yes" | "no" | "maybe: " [a-z] [a-z] [a-z]'},
 }
-
-
-def greedy_params(n: int, **kw):
-    from batcher import SamplingParams
-
-    return SamplingParams(max_tokens=n, temperature=0, **({"ignore_eos": True} | kw))
 
 
 def async_streams(path: Path, device: torch.device, backend: str, compile: str) -> Dict:

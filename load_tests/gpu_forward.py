@@ -76,10 +76,15 @@ def engine(path: Path, device: torch.device, dtype: str, backend: str, compile: 
                                   compile=compile, **kw))
 
 
-def greedy(n: int, count: int):
+def greedy_params(n: int, **kw):
+    """Greedy sampling of `n` tokens, EOS ignored unless `kw` says otherwise (more SamplingParams fields)."""
     from batcher import SamplingParams
 
-    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _ in range(count)]
+    return SamplingParams(max_tokens=n, temperature=0, **({"ignore_eos": True} | kw))
+
+
+def greedy(n: int, count: int):
+    return [greedy_params(n)] * count
 
 
 def parity(path: Path, device: torch.device, backends: List[str], compiles: List[str],
