@@ -31,7 +31,8 @@ measured); the rest is measured from the replicas or derived from those two (doc
     down      straight to the kept count, but only as far as DOWN_HEADROOM (30%) more load would
               still need (a band: a need flickering at a threshold, or a rate rising again within a
               start-up, holds the higher count instead of buying it back too late) at the
-              higher of the arrivals now and over the last bucket, and not by less than
+              highest of the arrivals now and over the last half start-up's buckets (a dip of a
+              bucket or two is not a drop), and not by less than
               max(1, sqrt(n) / 2) (noise) unless that halves the fleet
     up        at once, except by less than sqrt(n) / 2 with nothing queued and no ramp adding a
               replica (noise too)
@@ -62,6 +63,11 @@ KEEP_TOLERANCE = 0.1  # running requests within 10% of a level neither keep nor 
 # away, and a production trace's 10 s rate rises by about that within a start-up (azure_conv_2023:
 # the highest bucket of the next minute is a median 1.18x, upper quartile 1.33x the bucket's rate).
 DOWN_HEADROOM = 1.3
+# A drop counts once it has held half a start-up (3 buckets at 60 s): the 10 s rate of smooth production
+# traffic dips for a bucket or two and comes back (azure_conv_2023: the fleet stepped down in such dips
+# and met the return with a queue for a start-up; over ten seeds 2-3 buckets kept every one 6+ points
+# above Serve's default, 1 bucket left two under 5).
+DROP_BUCKETS = BUCKETS_PER_STARTUP // 2
 FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
 
 # Knob names of the 13-knob version: named in the error so a stale config says what replaced it.
@@ -168,8 +174,9 @@ class QueueDepthPolicy:
             # replicas back a start-up later, too late). The trend is read again: _remember may have
             # closed a bucket since (the real-Serve burst test needs it).
             # The arrival estimate (completions + growth) dips while a backlog drains and replicas
-            # leave: a drop counts once the last whole bucket saw it too.
-            seen = max([arrivals] + [b[1] for b in s["memory"][-2:-1]])
+            # leave, and the rate itself dips for a bucket or two: a drop counts once the last
+            # DROP_BUCKETS whole buckets saw it too.
+            seen = max([arrivals] + [b[1] for b in s["memory"][-DROP_BUCKETS - 1:-1]])
             desired = max(desired, min(target, self._need((seen + self._trend(s, startup)) * DOWN_HEADROOM,
                                                            load * DOWN_HEADROOM, mu, slots)))
             desired = max(desired, self._kept(s, now, startup, target, mu, slots))

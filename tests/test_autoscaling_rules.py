@@ -1,7 +1,7 @@
 """QueueDepthPolicy's measured rules: mu read only from replicas settled in full, the capacity a
-burst needed, replicas bought for a backlog only where queues outlast a start-up, and the room a fleet
-keeps going down. Contexts and replicas as in tests/test_autoscaling_policy.py (10 slots, 2 req/s
-full, a 4 s SLO, 30 s start-up: 5 s buckets)."""
+burst needed, replicas bought for a backlog only where queues outlast a start-up, the room a fleet
+keeps going down and when a drop counts. Contexts and replicas as in tests/test_autoscaling_policy.py
+(10 slots, 2 req/s full, a 4 s SLO, 30 s start-up: 5 s buckets)."""
 from __future__ import annotations
 
 import pytest
@@ -86,3 +86,15 @@ def test_going_down_keeps_room_for_a_rise_within_a_start_up():
     p = policy()
     kept = p._need(120.0 * DOWN_HEADROOM, 240.0 * DOWN_HEADROOM, MU, 10)
     assert out[359] == kept and kept > p._need(120.0 * 1.1, 240.0 * 1.1, MU, 10), out
+
+
+def test_a_drop_counts_once_it_has_held_half_a_start_up():
+    # 100 replicas at 197 req/s; the rate dips to 120 for two whole 5 s buckets (10 s, under half the
+    # 30 s start-up) and comes back: the fleet holds its 100 (going down in the dip bought the replicas
+    # back a start-up later, after a queue). Held three buckets, the drop is taken.
+    dip = _steady_fleet(policy(), [197.0] * 60 + [120.0] * 10 + [197.0] * 30)
+    # (Up to a start-up after: later, the climb back reads as a ramp, the ramp rule's known limit noted
+    # in tests/test_autoscaling_policy.py.)
+    assert set(dip[t] for t in range(60, 95)) == {100}, dip
+    held = _steady_fleet(policy(), [197.0] * 60 + [120.0] * 40)
+    assert held[99] < 100, held
