@@ -46,6 +46,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments import demand_memory
+from deployments.demand_memory import BUCKETS_PER_STARTUP
 from deployments.queueing import burst_capacity, ceil, rate_per_s, replicas_within_slo
 
 POLICY_PATH = "deployments.autoscaling:QueueDepthPolicy"
@@ -54,10 +56,7 @@ SERVE_POLICY_PATH = "ray.serve.autoscaling_policy:replica_queue_length_autoscali
 # Metric names LLMServer.record_autoscaling_stats reports.
 RUNNING, WAITING, KV_USAGE, FINISHED, PREEMPTIONS = "running", "waiting", "kv_usage", "finished", "preemptions"
 KV_FULL = 0.9  # KV usage at which a replica admits no more (the engine's watermark)
-MEMORY_STARTUPS = 30  # how far back demand is remembered, in start-ups (30 min at 60 s)
-BUCKETS_PER_STARTUP = 6  # resolution of the memory: a 60 s start-up -> 10 s buckets (the traces' bins)
 RECUR_GAPS = 3.0  # a recurring level is released after a silence of this many mean gaps between visits
-GROWTH_SPAN_S = 5.0  # arrivals are completions + growth over this span (Serve's look-back for this policy)
 KEEP_TOLERANCE = 0.1  # running requests within 10% of a level neither keep nor release it (Knative's and AIBrix's band)
 # Going down, a fleet keeps room for this much more load than now: a replica given back is a start-up
 # away, and a production trace's 10 s rate rises by about that within a start-up (azure_conv_2023:
@@ -119,10 +118,10 @@ class QueueDepthPolicy:
         queued = sum(waiting.values()) + handle_queued
         in_flight = sum(running.values())
         demand = max(ctx.total_num_requests or 0.0, in_flight + queued)
-        growth, queue_growth = self._growth(s, now, demand, queued)
+        growth, queue_growth = demand_memory.growth(s, now, demand, queued)
         rates = {r: x for r in ctx.running_replicas if (x := rate_per_s(raw.get(FINISHED, {}).get(r))) is not None}
         completions = sum(rates.values())
-        arrivals = self._smoothed(s, now, max(0.0, completions + growth), startup / BUCKETS_PER_STARTUP)
+        arrivals = demand_memory.smoothed(s, now, max(0.0, completions + growth), startup / BUCKETS_PER_STARTUP)
         if demand <= 0:  # nobody in the system over the look-back: the average's tail is no load
             s["arrivals"], arrivals = (now, 0.0), 0.0
 
@@ -154,12 +153,12 @@ class QueueDepthPolicy:
         # With a rate known, a queue is the burst rule's (a queue of thousands over slots would buy
         # replicas for requests that are served before they land); before, it counts as load.
         load = in_flight if mu else demand
-        need = self._need(arrivals + self._trend(s, startup), load, mu, slots)
+        need = self._need(arrivals + demand_memory.trend(s, startup), load, mu, slots)
         s.setdefault("seed", (now, target))  # the fleet found at the first call: kept a start-up too
-        self._remember(s, now, startup, arrivals, load)
-        self._queue_spells(s, now, startup, queued)
+        demand_memory.remember(s, now, startup, arrivals, load)
+        demand_memory.queue_spells(s, now, startup, queued)
         desired = need
-        if mu and queued > 0 and queued + queue_growth * startup > 0 and self._queues_outlast(s, now, startup):
+        if mu and queued > 0 and queued + queue_growth * startup > 0 and demand_memory.queues_outlast(s, now, startup):
             # A backlog that would outlast a start-up at its current pace: drain it within one
             # start-up on top of the arrival rate (re-estimated every tick from the queue now, not its
             # projection: a burst may end before the replicas land). Not where queues have been
@@ -171,13 +170,13 @@ class QueueDepthPolicy:
         if desired < target:
             # A band, not a line: going down only as far as DOWN_HEADROOM more load would still need (else
             # a need flickering at a threshold, or a rate that rises again within a start-up, buys the
-            # replicas back a start-up later, too late). The trend is read again: _remember may have
+            # replicas back a start-up later, too late). The trend is read again: remember() may have
             # closed a bucket since (the real-Serve burst test needs it).
             # The arrival estimate (completions + growth) dips while a backlog drains and replicas
             # leave, and the rate itself dips for a bucket or two: a drop counts once the last
             # DROP_BUCKETS whole buckets saw it too.
             seen = max([arrivals] + [b[1] for b in s["memory"][-DROP_BUCKETS - 1:-1]])
-            desired = max(desired, min(target, self._need((seen + self._trend(s, startup)) * DOWN_HEADROOM,
+            desired = max(desired, min(target, self._need((seen + demand_memory.trend(s, startup)) * DOWN_HEADROOM,
                                                            load * DOWN_HEADROOM, mu, slots)))
             desired = max(desired, self._kept(s, now, startup, target, mu, slots))
             if target - desired < noise and desired > target / 2:  # halving the fleet is never noise
@@ -218,32 +217,6 @@ class QueueDepthPolicy:
                 s["mu"] = (mu or 0.0) + a * (mu_now - (mu or 0.0))
             s["mu_t"] = now
 
-    @staticmethod
-    def _smoothed(s: dict, now: float, value: float, tau: float) -> float:
-        """An exponential average over ~tau seconds (arrivals from 5 s of counts are noisy)."""
-        last = s.get("arrivals")
-        if last is None:
-            s["arrivals"] = (now, value)
-            return value
-        a = 1.0 - math.exp(-max(0.0, now - last[0]) / tau)
-        s["arrivals"] = (now, last[1] + a * (value - last[1]))
-        return s["arrivals"][1]
-
-    @staticmethod
-    def _remember(s: dict, now: float, startup: float, arrivals: float, demand: float) -> None:
-        """Arrivals and requests in the system per bucket (means over its ticks), over the last
-        MEMORY_STARTUPS start-ups: [bucket start, arrivals, demand, ticks]. Kept as load, not as
-        replicas, so a better measured mu resizes what is remembered."""
-        width = startup / BUCKETS_PER_STARTUP
-        start = math.floor(now / width) * width
-        mem = [b for b in s.get("memory", []) if now - b[0] <= MEMORY_STARTUPS * startup]
-        if mem and mem[-1][0] == start:
-            t, a, d, k = mem[-1]
-            mem[-1] = [t, (a * k + arrivals) / (k + 1), (d * k + demand) / (k + 1), k + 1]
-        else:
-            mem.append([start, arrivals, demand, 1])
-        s["memory"] = mem
-
     def _kept(self, s: dict, now: float, startup: float, below: int, mu, slots) -> int:
         """The highest level (at most `below`) demand will likely need again within a start-up: needed
         within the last start-up, or a level demand keeps returning to (more than one visit in the
@@ -278,50 +251,6 @@ class QueueDepthPolicy:
             if gaps and age <= RECUR_GAPS * sum(gaps) / len(gaps) + startup:
                 return level
         return floor
-
-    @staticmethod
-    def _queue_spells(s: dict, now: float, startup: float, queued: float) -> None:
-        """Spells with requests queued: when the current one began, and how long the ended ones
-        of the memory lasted."""
-        since = s.get("queue_since")
-        if queued > 0 and since is None:
-            s["queue_since"] = now
-        elif queued <= 0 and since is not None:
-            ended = [e for e in s.get("queue_spells", []) if now - e[0] <= MEMORY_STARTUPS * startup]
-            s["queue_spells"], s["queue_since"] = ended + [(now, now - since)], None
-
-    @staticmethod
-    def _queues_outlast(s: dict, now: float, startup: float) -> bool:
-        """Whether a queue now likely outlasts a start-up: queues have (the median spell of the
-        memory), none has ended yet to say otherwise, or this one has lasted a start-up or longer than
-        every spell of the memory (a standing queue after short ones is not one of them)."""
-        since = s.get("queue_since")
-        spells = [d for t, d in s.get("queue_spells", []) if now - t <= MEMORY_STARTUPS * startup]
-        outlasted = since is not None and now - since >= min(startup, max(spells, default=startup))
-        return not spells or median(spells) >= startup or outlasted
-
-    @staticmethod
-    def _trend(s: dict, startup: float) -> float:
-        """A ramp: arrivals that rose in at least 5 of the last 6 buckets (a start-up), by at most
-        their own level, rise as much over the next start-up, when the replicas asked now land. A
-        burst jumps and then wanders: no trend (the backlog rule has it)."""
-        rates = [a for _, a, _, _ in s.get("memory", [])[-(BUCKETS_PER_STARTUP + 2):-1]]  # complete buckets
-        if len(rates) < BUCKETS_PER_STARTUP + 1:
-            return 0.0
-        steps = [b - a for a, b in zip(rates, rates[1:])]
-        rise = rates[-1] - rates[0]
-        # More than doubling within a start-up is a jump, not a ramp.
-        return rise if sum(d > 0 for d in steps) >= BUCKETS_PER_STARTUP - 1 and 0 < rise <= rates[0] else 0.0
-
-    @staticmethod
-    def _growth(s: dict, now: float, demand: float, queued: float) -> Tuple[float, float]:
-        """Requests per second the system and the queue gained over the last ~GROWTH_SPAN_S."""
-        history = [h for h in s.get("history", []) if now - h[0] <= 2 * GROWTH_SPAN_S]
-        history.append((now, demand, queued))
-        s["history"] = history
-        old = [h for h in history if now - h[0] >= GROWTH_SPAN_S]
-        t0, d0, q0 = old[-1] if old else history[0]
-        return ((demand - d0) / (now - t0), (queued - q0) / (now - t0)) if now > t0 else (0.0, 0.0)
 
     def _startup(self, s: dict, now: float, target: int, ready: int) -> float:
         """Start-up seconds: the configured value until an ask has been seen through to running."""
