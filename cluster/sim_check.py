@@ -165,6 +165,15 @@ def simulate(trace: RequestTrace, app: dict, startup_s: float, prompt_tokens: fl
                                                     "step_scale": step_scale, "prompt_tokens": work.prompt_tokens, "output_tokens": work.mean_output})
 
 
+def serve_default_scaling(app: dict, max_replicas: int) -> dict:
+    """Serve's own policy as cluster.simulate's serve_default runs it: Serve's defaults (30 s look-back,
+    30 s / 600 s delays, 10 s metric pushes), target_ongoing_requests 0.75 x max_num_seqs."""
+    from deployments.autoscaling import SERVE_POLICY_PATH
+
+    return {"min_replicas": 1, "max_replicas": max_replicas, "policy": SERVE_POLICY_PATH,
+            "target_ongoing_requests": 0.75 * app["engine"]["max_num_seqs"], "metrics_interval_s": 10.0}
+
+
 def step_scale_for(app: dict, measured_step_s: Optional[float], prompt_tokens: float, max_tokens: int) -> float:
     """Measured full-replica step over the preset's, for the same batch (1.0 when not measured)."""
     from batcher.simulated import preset_for
@@ -255,6 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tail-s", type=float, default=30.0, help="seconds recorded after the last arrival")
     ap.add_argument("--startup-s", type=float, help="the simulator's start-up, one for all replicas (default: "
                     "each replica's measured on Serve, in turn)")
+    ap.add_argument("--policy", choices=("queue_depth", "serve_default"), default="queue_depth",
+                    help="the app's policy (default) or Serve's, configured as cluster.simulate's serve_default")
     ap.add_argument("--out", default="results/sim_check")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -262,6 +273,8 @@ def main(argv=None) -> int:
     trace = check_trace(tuple(args.window), args.speedup, args.rate)
     end_s = trace.duration_s + args.tail_s
     app = app_config(args.max_replicas, args.slo_s)
+    if args.policy == "serve_default":
+        app["autoscaling"] = serve_default_scaling(app, args.max_replicas)
     print(f"trace: {len(trace)} requests over {trace.duration_s:.0f} s ({', '.join(trace.notes)}); "
           f"SLO {args.slo_s} s; replicas 1..{args.max_replicas} of {app['engine']['model']}", flush=True)
     out = Path(args.out)
@@ -272,7 +285,7 @@ def main(argv=None) -> int:
           f"{real.extra['startups_seen']} replicas: {real.extra['startups']}); {real.extra['failed']} failed", flush=True)
     startup = args.startup_s or real.extra["startup_s"]
     if not startup == startup:  # nan: no scale-up completed on Serve; the policy's configured value
-        startup = app["autoscaling"]["policy_kwargs"].get("startup_s", 10.0)
+        startup = app["autoscaling"].get("policy_kwargs", {}).get("startup_s", 10.0)
     startups = None if args.startup_s else real.extra["startups"]
     scale = step_scale_for(app, real.extra["full_step_s"], real.extra["prompt_tokens"], args.max_tokens)
     print(f"a full replica's step: {real.extra['full_step_s'] or float('nan'):.4f} s measured, "

@@ -63,6 +63,25 @@ def test_simulated_replay_takes_the_traces_arrivals_exactly(tmp_path):
     assert rows and {"demand", "queued", "running", "decision"} <= set(rows[0])
 
 
+def test_serves_default_is_checked_with_serves_settings(tmp_path):
+    # `--policy serve_default`: Serve's own policy as cluster.simulate runs it (target 0.75 x 4
+    # sequences, 10 s metric pushes, Serve's 30 s look-back and 30 s / 600 s delays), recorded alike.
+    app = app_config(4)
+    app["autoscaling"] = sim_check.serve_default_scaling(app, 4)
+    wrapped = AppConfig(**sim_check.recorded(app, str(tmp_path / "r.jsonl"))).autoscaling.to_serve()
+    assert wrapped["policy"]["policy_kwargs"]["inner"].endswith(":replica_queue_length_autoscaling_policy")
+    assert (wrapped["target_ongoing_requests"], wrapped["metrics_interval_s"], wrapped["look_back_period_s"],
+            wrapped["upscale_delay_s"], wrapped["downscale_delay_s"]) == (3.0, 10.0, 30.0, 30.0, 600.0)
+    trace = sim_check.check_trace()
+    run = sim_check.simulate(trace, app, startup_s=10.0, prompt_tokens=22, max_tokens=32, slo_s=1.0,
+                             end_s=trace.duration_s + 30, record_to=str(tmp_path / "sim.jsonl"))
+    first = int(np.argmax(run.seen["queued"] > 0))  # the first burst's queue, as the policy saw it
+    asked = int(np.argmax(run.asked > 1))
+    assert run.requests == len(trace) and first > 0
+    assert 30 <= asked - first <= 31  # Serve's upscale delay: more replicas asked for 30 s after
+    assert run.asked.max() == 4 and run.asked[-1] == 4  # then up, and no scale-down within 600 s
+
+
 def test_idle_replica_ttft_is_its_prompt_not_a_full_token_budget():
     """A request alone on a replica is prefilled in one step of its own prompt tokens (cpu-smollm2:
     57.5 ms + 22 x 1.5 ms), not a step of max_num_batched_tokens (512 tokens: 0.83 s). The old
