@@ -14,7 +14,8 @@ prompt alone costs its own tokens, not a full token budget). Arrivals are Poisso
 rate, or a request trace's times replayed exactly (`arrivals_s`).
 
 Serve's controller is reproduced around the policy: metrics recorded every record interval, pushed
-every `metrics_interval_s`, averaged over `look_back_period_s`; the policy wrapped by Serve's own
+every `metrics_interval_s`, averaged over `look_back_period_s` (the handles' requests as Ray 2.60
+merges them: serve_mean); the policy wrapped by Serve's own
 `_apply_autoscaling_config` (factors, delays, cold start) and clamped to min/max, called every
 `control_period_s`; each replica's metrics averaged over its own samples since it runs, as Serve
 does. A new replica serves `startup_s` after it is asked for (or each its measured start-up,
@@ -32,7 +33,7 @@ from ray.serve._private.common import TimeStampedValue
 from ray.serve.config import AutoscalingContext
 
 from batcher.simulated import PRESETS
-from cluster.fleet_sim_parts import TTFT_BINS, Policy, Result, SimWorkload
+from cluster.fleet_sim_parts import TTFT_BINS, Policy, Result, SimWorkload, serve_mean
 from cluster.traces import Trace
 
 STARTING, READY, DRAINING, GONE = 0, 1, 2, 3
@@ -192,8 +193,11 @@ class FleetSim:
         ready = np.flatnonzero(self.state == READY)
         ids = [f"replica-{self.uid[i]}" for i in ready]
         if window:
-            total = float(np.mean([s[4] for s in window]))
-            queued = float(np.mean([s[5] for s in window]))
+            # The handles' series as Serve's controller reads them: pushed with a look-back of points.
+            pushed = [s for s in self.samples if pushed_at - cfg.look_back_period_s <= s[0] <= pushed_at]
+            times = np.array([s[0] for s in pushed])
+            total = serve_mean(times, np.array([s[4] for s in pushed]), now)
+            queued = serve_mean(times, np.array([s[5] for s in pushed]), now)
             # Each replica's own series, from when it runs (as Serve aggregates a replica's reports):
             # samples from before it started (another replica's slot, or none) are not its load.
             own = np.array([s[0] for s in window])[:, None] >= self.ready_at[ready][None, :]

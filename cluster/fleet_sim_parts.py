@@ -102,3 +102,17 @@ class Policy:
             serve_policy.time = real
         n = math.ceil(n)
         return max(self.config.min_replicas, min(self.config.max_replicas, n))
+
+
+def serve_mean(times: np.ndarray, values: np.ndarray, now: float) -> float:
+    """The handles' requests as Ray 2.60's controller averages them (autoscaling_metrics_merge): the
+    sources' series merged into change points, each held until the next, the last until `now`. A
+    leading run of zeros has no change point, so after a quiet look-back the mean starts at the
+    first request (a burst after a lull is read at its own level, not diluted by the lull); all zeros
+    read 0."""
+    busy = np.flatnonzero(values)
+    if not busy.size:
+        return 0.0
+    t, v = times[busy[0]:], values[busy[0]:]
+    held = np.append(t[1:], max(now, t[-1])) - t
+    return float(np.dot(v, held) / held.sum()) if held.sum() > 0 else float(v[-1])

@@ -64,8 +64,8 @@ KEEP_TOLERANCE = 0.1  # running requests within 10% of a level neither keep nor 
 DOWN_HEADROOM = 1.3
 # A drop counts once it has held half a start-up (3 buckets at 60 s): the 10 s rate of smooth production
 # traffic dips for a bucket or two and comes back (azure_conv_2023: the fleet stepped down in such dips
-# and met the return with a queue for a start-up; over ten seeds 2-3 buckets kept every one 6+ points
-# above Serve's default, 1 bucket left two under 5).
+# and met the return with a queue for a start-up; over ten simulated seeds, 3 buckets left one under
+# Serve's default + 5 points, 1 bucket two: docs/autoscaling.md).
 DROP_BUCKETS = BUCKETS_PER_STARTUP // 2
 FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
 

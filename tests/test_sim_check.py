@@ -82,6 +82,27 @@ def test_serves_default_is_checked_with_serves_settings(tmp_path):
     assert run.asked.max() == 4 and run.asked[-1] == 4  # then up, and no scale-down within 600 s
 
 
+def test_the_handles_requests_are_averaged_as_rays_controller_does():
+    # Ray 2.60 merges the handles' series (queued, and running per replica) into change points before
+    # averaging: a quiet start of the look-back has none, so a burst after a lull reads at its own
+    # level (the sim check's real Serve saw 14 where a plain mean over the look-back said 3.6).
+    from ray.serve._private.autoscaling_metrics_merge import merge_and_aggregate_arrays
+
+    from cluster.fleet_sim_parts import serve_mean
+
+    rng = np.random.default_rng(0)
+    times = 1000.0 + 6.0 * np.arange(6)  # a 30 s look-back of 6 s samples
+    for lull in range(7):
+        queued, running = rng.integers(0, 9, 6).astype(float), rng.integers(0, 5, 6).astype(float)
+        queued[:lull] = running[:lull] = 0.0
+        now = times[-1] + 4.0
+        ray = merge_and_aggregate_arrays(np.concatenate([times, times]), np.concatenate([queued, running]),
+                                         np.array([0, 6, 12]), now)
+        assert serve_mean(times, queued + running, now) == pytest.approx(ray), lull
+    burst = np.array([0, 0, 0, 0, 20.0, 20.0])
+    assert serve_mean(times, burst, times[-1]) == 20.0 and np.mean(burst) < 7
+
+
 def test_idle_replica_ttft_is_its_prompt_not_a_full_token_budget():
     """A request alone on a replica is prefilled in one step of its own prompt tokens (cpu-smollm2:
     57.5 ms + 22 x 1.5 ms), not a step of max_num_batched_tokens (512 tokens: 0.83 s). The old
