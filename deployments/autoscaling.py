@@ -18,12 +18,13 @@ measured); the rest is measured from the replicas or derived from those two (doc
               queue now within one start-up (not its projection: a burst may end before replicas land);
               not while the queues of the memory have been ending within a start-up (a median spell)
               and this one has not outlasted them
-    memory    arrivals and running requests per bucket of start-up/6 s, over the last
-              MEMORY_STARTUPS start-ups, as load (a better mu resizes them); a bucket needed the
-              rate that kept its queue within the SLO (burst_capacity: a 10 s burst 10/11 of its
-              rate, a held rate all of it). A count of replicas is kept while some bucket needed it
-              within the last start-up (rent or buy: keeping an idle replica one start-up costs what
-              re-buying it does) or, for a count demand keeps
+    memory    arrivals (the measured rate, not its smoothed estimate) and running requests per
+              bucket of start-up/6 s, over the last MEMORY_STARTUPS start-ups, as load (a better mu
+              resizes them); a bucket needed the rate that kept its queue within the SLO
+              (burst_capacity: a 10 s burst 10/11 of its rate, a held rate all of it). A count of
+              replicas is kept while some bucket needed it within the last start-up (rent or buy:
+              keeping an idle replica one start-up costs what re-buying it does; YOUNG_HOLD
+              start-ups while the memory is younger than its span) or, for a count demand keeps
               returning to after lulls (under half of it in between), while the silence since its
               last visit is under RECUR_GAPS mean gaps between visits plus a start-up: a lull shorter
               than the recurrence keeps the capacity, a longer silence is a trend and releases it.
@@ -67,6 +68,10 @@ DOWN_HEADROOM = 1.3
 # and met the return with a queue for a start-up; over ten simulated seeds, 3 buckets left one under
 # Serve's default + 5 points, 1 bucket two: docs/autoscaling.md).
 DROP_BUCKETS = BUCKETS_PER_STARTUP // 2
+# Until the memory spans MEMORY_STARTUPS start-ups, a level seen once may be a burst that recurs or one
+# that does not: it is kept this many start-ups, not one (Serve's default keeps every level 600 s, 10
+# at 60 s; 5 keeps the real-Serve burst test's return to one replica within ~60 s at 10 s start-ups).
+YOUNG_HOLD = 5.0
 FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
 
 # Knob names of the 13-knob version: named in the error so a stale config says what replaced it.
@@ -121,7 +126,8 @@ class QueueDepthPolicy:
         growth, queue_growth = demand_memory.growth(s, now, demand, queued)
         rates = {r: x for r in ctx.running_replicas if (x := rate_per_s(raw.get(FINISHED, {}).get(r))) is not None}
         completions = sum(rates.values())
-        arrivals = demand_memory.smoothed(s, now, max(0.0, completions + growth), startup / BUCKETS_PER_STARTUP)
+        raw_arrivals = max(0.0, completions + growth)
+        arrivals = demand_memory.smoothed(s, now, raw_arrivals, startup / BUCKETS_PER_STARTUP)
         if demand <= 0:  # nobody in the system over the look-back: the average's tail is no load
             s["arrivals"], arrivals = (now, 0.0), 0.0
 
@@ -155,7 +161,9 @@ class QueueDepthPolicy:
         load = in_flight if mu else demand
         need = self._need(arrivals + demand_memory.trend(s, startup), load, mu, slots)
         s.setdefault("seed", (now, target))  # the fleet found at the first call: kept a start-up too
-        demand_memory.remember(s, now, startup, arrivals, load)
+        # The memory holds each bucket's mean measured rate, not the smoothed one: smoothed over a
+        # bucket, a 10 s burst reads at a fraction of its rate and the level kept for it is too low.
+        demand_memory.remember(s, now, startup, raw_arrivals if demand > 0 else 0.0, load)
         demand_memory.queue_spells(s, now, startup, queued)
         desired = need
         if mu and queued > 0 and queued + queue_growth * startup > 0 and demand_memory.queues_outlast(s, now, startup):
@@ -233,6 +241,8 @@ class QueueDepthPolicy:
         keep = 1.0 - KEEP_TOLERANCE
         capacity = burst_capacity([a for _, a, _, _ in mem], width, self.cfg.slo_s, BUCKETS_PER_STARTUP)
         needs = [(t, self._need(c, d * keep, mu, slots)) for (t, _, d, _), c in zip(mem, capacity)]
+        young = now - s["seed"][0] < demand_memory.MEMORY_STARTUPS * startup  # no history yet: YOUNG_HOLD
+        hold = (YOUNG_HOLD if young else 1.0) * startup
         for level in range(min(below, max((n for _, n in needs), default=0)), floor, -1):
             # Visits of the level, and the gaps between them in which demand fell to under half of it
             # (a lull; a need flickering around the level is one visit, not a recurrence).
@@ -246,7 +256,7 @@ class QueueDepthPolicy:
                     low = min(low, n)
             age = now - last - width  # from the end of its last bucket
             # Rent or buy: a replica kept idle one start-up costs what re-buying it does.
-            if age <= startup:
+            if age <= hold:
                 return level
             if gaps and age <= RECUR_GAPS * sum(gaps) / len(gaps) + startup:
                 return level

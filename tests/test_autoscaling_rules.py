@@ -85,7 +85,9 @@ def test_going_down_keeps_room_for_a_rise_within_a_start_up():
     out = _steady_fleet(policy(), [197.0] * 60 + [120.0] * 300)
     p = policy()
     kept = p._need(120.0 * DOWN_HEADROOM, 240.0 * DOWN_HEADROOM, MU, 10)
-    assert out[359] == kept and kept > p._need(120.0 * 1.1, 240.0 * 1.1, MU, 10), out
+    # (Down to it, or within the noise band above it: the steps it takes depend on the buckets.)
+    assert kept <= out[359] < kept + max(1.0, out[359] ** 0.5 / 2), out
+    assert kept > p._need(120.0 * 1.1, 240.0 * 1.1, MU, 10), out
 
 
 def test_a_drop_counts_once_it_has_held_half_a_start_up():
@@ -98,3 +100,16 @@ def test_a_drop_counts_once_it_has_held_half_a_start_up():
     assert set(dip[t] for t in range(60, 95)) == {100}, dip
     held = _steady_fleet(policy(), [197.0] * 60 + [120.0] * 40)
     assert held[99] < 100, held
+
+
+def test_the_memory_keeps_a_bursts_measured_rate_not_its_smoothed_one():
+    # 10 replicas at 10 req/s; 40 req/s for one 5 s bucket. The bucket is remembered at the rate
+    # measured in it (arrivals plus the system's growth: 52), not the arrival estimate smoothed over a
+    # bucket (28): a level kept for that burst must serve it.
+    p, state, target = policy(), None, 10
+    state = measured(p)
+    for t, rps in enumerate([10.0] * 20 + [40.0] * 5 + [10.0] * 10):
+        _, state = p(ctx(target, running=[rps * 2.0 / target] * target, finished=[rps / target] * target,
+                         now=float(t), state=state, hi=10))
+    burst = {b[0]: b[1] for b in state["iterserve"]["memory"]}[20.0]
+    assert burst >= 40.0, state["iterserve"]["memory"]
