@@ -106,7 +106,7 @@ def test_the_memory_keeps_a_bursts_measured_rate_not_its_smoothed_one():
     # 10 replicas at 10 req/s; 40 req/s for one 5 s bucket. The bucket is remembered at the rate
     # measured in it (arrivals plus the system's growth: 52), not the arrival estimate smoothed over a
     # bucket (28): a level kept for that burst must serve it.
-    p, state, target = policy(), None, 10
+    p, target = policy(), 10
     state = measured(p)
     for t, rps in enumerate([10.0] * 20 + [40.0] * 5 + [10.0] * 10):
         _, state = p(ctx(target, running=[rps * 2.0 / target] * target, finished=[rps / target] * target,
