@@ -13,15 +13,15 @@ BUCKETS_PER_STARTUP = 6  # resolution of the memory: a 60 s start-up -> 10 s buc
 GROWTH_SPAN_S = 5.0  # arrivals are completions + growth over this span (Serve's look-back for this policy)
 
 
-def smoothed(s: dict, now: float, value: float, tau: float) -> float:
-    """An exponential average over ~tau seconds (arrivals from 5 s of counts are noisy)."""
-    last = s.get("arrivals")
+def smoothed(s: dict, now: float, value: float, tau: float, key: str) -> float:
+    """An exponential average over ~tau seconds, kept in s[key] (rates from 5 s of counts are noisy)."""
+    last = s.get(key)
     if last is None:
-        s["arrivals"] = (now, value)
+        s[key] = (now, value)
         return value
     a = 1.0 - math.exp(-max(0.0, now - last[0]) / tau)
-    s["arrivals"] = (now, last[1] + a * (value - last[1]))
-    return s["arrivals"][1]
+    s[key] = (now, last[1] + a * (value - last[1]))
+    return s[key][1]
 
 
 def remember(s: dict, now: float, startup: float, arrivals: float, demand: float) -> None:

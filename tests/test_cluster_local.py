@@ -2,8 +2,8 @@
 (cluster.burst) run as subprocesses: the pytest process's own Ray (conftest) is never touched.
 
 Bounds stated here: 1 -> 4 replicas within 60 s of the burst's start (measured 12.7-14.2 s on the
-2-core machine), back to 1 within 90 s of the load dropping (measured 68 s with the policy's young
-hold, 13.9 s before it). About 150 s in all.
+2-core machine), back to 1 within 90 s of the load dropping (measured 41-68 s with the policy's
+young hold, 13.9 s before it). About 150 s in all.
 """
 from __future__ import annotations
 
