@@ -153,10 +153,11 @@ class QueueDepthPolicy:
         self._measure(s, now, startup, [rates[r] for r in full if r in settled],
                       [running.get(r, 0.0) for r in full] if handle_queued > 0 else [])
         if rates and completions > 0:  # a replica does at least what replicas did: mu's floor
-            # Over a bucket, not a look-back: a cohort admitted together finishes together, and for
-            # a few seconds replicas complete more than they sustain (azure_conv: 18.9/s read where
-            # full replicas measured 15.0, and the fleet ran a fifth short).
-            seen = demand_memory.smoothed(s, now, median(rates.values()), startup / BUCKETS_PER_STARTUP, "mu_seen")
+            # Over a bucket, not a look-back: while the system drains, replicas that stop prefilling
+            # finish their requests faster than they sustain for a few seconds (azure_conv: 18.9/s
+            # read where full replicas measured 15.0, and the fleet ran a fifth short).
+            width = startup / BUCKETS_PER_STARTUP
+            seen = demand_memory.smoothed(s, now, median(rates.values()), width, "mu_seen")
             s["mu_floor"] = max(s.get("mu_floor") or 0.0, seen)
         mu, slots = s.get("mu") or s.get("mu_floor"), self.replica_slots or s.get("slots")
 

@@ -116,8 +116,8 @@ def test_the_memory_keeps_a_bursts_measured_rate_not_its_smoothed_one():
 
 
 def test_mus_floor_is_what_replicas_did_over_a_bucket_not_a_drains_few_seconds():
-    # Never full, 10 replicas finish 1 req/s each; a cohort admitted together finishes within 3 s at 3
-    # req/s (more than they sustain), then 1 again. mu's floor (the estimate until a replica is full)
+    # Never full, 10 replicas finish 1 req/s each; for 3 s, as the system drains, 3 req/s each (more
+    # than they sustain), then 1 again. mu's floor (the estimate until a replica is full)
     # reads the drain over a 5 s bucket: under 2. Read at its peak (3), the fleet was sized for three
     # times what a replica had shown it does (azure_conv: 18.9 against a measured 15.0, a fifth short).
     p, state = policy(), None
