@@ -121,8 +121,9 @@ def test_mus_floor_is_what_replicas_did_over_a_bucket_not_a_drains_few_seconds()
     # reads the drain over a 5 s bucket: under 2. Read at its peak (3), the fleet was sized for three
     # times what a replica had shown it does (azure_conv: 18.9 against a measured 15.0, a fifth short).
     p, state = policy(), None
-    for t, each in enumerate([1.0] * 20 + [3.0] * 3 + [1.0] * 10):
-        _, state = p(ctx(10, running=[3.0] * 10, finished=[each] * 10, now=float(t), state=state, hi=10))
+    drain = [(3.0, 2.0), (3.0, 1.0), (3.0, 0.5)]  # (finished req/s, running) per replica
+    for t, (each, running) in enumerate([(1.0, 3.0)] * 20 + drain + [(1.0, 3.0)] * 10):
+        _, state = p(ctx(10, running=[running] * 10, finished=[each] * 10, now=float(t), state=state, hi=10))
     floor = state["iterserve"]["mu_floor"]
     assert 1.0 < floor < 2.0, state["iterserve"]
     assert p._need(10.0, 0.0, floor, SLOTS) > p._need(10.0, 0.0, 3.0, SLOTS)
