@@ -70,7 +70,7 @@ DOWN_HEADROOM = 1.3
 DROP_BUCKETS = BUCKETS_PER_STARTUP // 2
 # Until the memory spans MEMORY_STARTUPS start-ups, a level seen once may be a burst that recurs or one
 # that does not: it is kept this many start-ups, not one (Serve's default keeps every level 600 s, 10
-# at 60 s; 5 keeps the real-Serve burst test's return to one replica within its 90 s: 41-68 s measured).
+# at 60 s; at 5 the real-Serve burst test's fleet, 10-15 s start-ups, is back to one in 41-81 s).
 YOUNG_HOLD = 5.0
 FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
 
