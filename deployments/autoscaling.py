@@ -127,7 +127,8 @@ class QueueDepthPolicy:
         rates = {r: x for r in ctx.running_replicas if (x := rate_per_s(raw.get(FINISHED, {}).get(r))) is not None}
         completions = sum(rates.values())
         raw_arrivals = max(0.0, completions + growth)
-        arrivals = demand_memory.smoothed(s, now, raw_arrivals, startup / BUCKETS_PER_STARTUP, "arrivals")
+        bucket = startup / BUCKETS_PER_STARTUP  # the memory's resolution, and what rates are averaged over
+        arrivals = demand_memory.smoothed(s, now, raw_arrivals, bucket, "arrivals")
         if demand <= 0:  # nobody in the system over the look-back: the average's tail is no load
             s["arrivals"], arrivals = (now, 0.0), 0.0
 
@@ -156,9 +157,8 @@ class QueueDepthPolicy:
             # Over a bucket, not a look-back: while the system drains, replicas that stop prefilling
             # finish their requests faster than they sustain for a few seconds (azure_conv: 18.9/s
             # read where full replicas measured 15.0, and the fleet ran a fifth short).
-            width = startup / BUCKETS_PER_STARTUP
-            seen = demand_memory.smoothed(s, now, median(rates.values()), width, "mu_seen")
-            s["mu_floor"] = max(s.get("mu_floor") or 0.0, seen)
+            done = demand_memory.smoothed(s, now, median(rates.values()), bucket, "mu_seen")
+            s["mu_floor"] = max(s.get("mu_floor") or 0.0, done)
         mu, slots = s.get("mu") or s.get("mu_floor"), self.replica_slots or s.get("slots")
 
         # With a rate known, a queue is the burst rule's (a queue of thousands over slots would buy
