@@ -30,7 +30,7 @@ import numpy as np
 
 from cluster.fleet_sim import FleetSim
 from cluster.fleet_sim_parts import Result, SimWorkload
-from cluster.simulate import load_trace, replica_rps, run_all
+from cluster.simulate import load_trace, run_all
 from cluster.traces import Trace
 
 PHASES = ("rise", "steady", "fall")
@@ -70,7 +70,7 @@ def attribute(res: Result, clairvoyant: Result, phase: np.ndarray) -> Dict[str, 
 
 def reactive_bound(trace: Trace, work: SimWorkload, startup_s: float, headroom: float, slo_s: float,
                    dt_s: float, seed: int, max_replicas: int = 1000) -> Result:
-    per_replica = replica_rps(work, 1.0)  # full replicas (slots or prefill budget): headroom 1.33 = 75% full
+    per_replica = work.capacity_rps()  # full replicas (slots or prefill budget): headroom 1.33 = 75% full
 
     def schedule(t: float) -> int:
         return max(1, min(max_replicas, math.ceil(headroom * trace.rate(t) / per_replica)))

@@ -6,7 +6,9 @@ their prompts to a prefill backlog, chunked at max_num_batched_tokens per step; 
 decodes one token of each sequence whose prompt is prefilled (only those end); output lengths are
 geometric (each decoding sequence ends with probability 1/mean_output_tokens per step), so the
 counts are carried as a fluid. A replica reports what an engine does: `waiting` = admitted requests
-whose prefill has not started, `running` = the others.
+whose prefill has not started, `running` = the others, and once a request of its has ended
+`capacity` = what it completes full by its step-time model (a real replica estimates that from its
+measured steps: router.cost_model; `cluster.sim_check` compares the two).
 Callers hold one FIFO queue (Serve's handle queue): a request goes to a replica only when it has a
 free slot (max_ongoing_requests = max_num_seqs), least-loaded first; each request's first token
 comes after the step in flight, when the backlog ahead of it and its own prompt are prefilled (a
@@ -208,6 +210,7 @@ class FleetSim:
         else:
             total = queued = 0.0
             running = kv = waiting = np.zeros(len(ready))
+        capacity = self.w.capacity_rps()
 
         def raw():
             out: Dict[str, Dict] = {"finished": {}, "preemptions": {}}
@@ -221,7 +224,10 @@ class FleetSim:
             target_num_replicas=target, running_replicas=ids, total_num_requests=total,
             total_queued_requests=queued,
             aggregated_metrics={"running": dict(zip(ids, running.tolist())), "waiting": dict(zip(ids, waiting.tolist())),
-                                "kv_usage": dict(zip(ids, kv.tolist()))},
+                                "kv_usage": dict(zip(ids, kv.tolist())),
+                                # What a replica estimates from its step times once it knows its requests' size
+                                # (router.cost_model.StepMeter.capacity): here the step-time model's own.
+                                "capacity": {r: capacity for r, i in zip(ids, ready) if self.finished[i] > 0}},
             raw_metrics=raw, capacity_adjusted_min_replicas=cfg.min_replicas,
             capacity_adjusted_max_replicas=cfg.max_replicas, policy_state=dict(policy.state),
             last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=cfg)

@@ -14,6 +14,7 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from batcher.simulated import PRESETS, StepTimeModel
+from router.cost_model import capacity_rps, completion_rate
 
 TTFT_BINS = np.concatenate([[0.0], np.logspace(-3, 4, 1401)])  # 1 ms .. 10^4 s, 0.5% wide
 
@@ -39,10 +40,13 @@ class SimWorkload:
 
     def throughput_rps(self, concurrency: float) -> float:
         """Requests per second one replica completes at a steady `concurrency` running sequences."""
-        c = concurrency
-        prefill_per_step = c / self.mean_output * self.prompt_tokens
-        step = self.step.step_seconds(prefill_per_step, c, c * (self.prompt_tokens + self.mean_output))
-        return c / (step * self.mean_output)
+        return completion_rate(self.step, concurrency, self.prompt_tokens, self.mean_output)
+
+    def capacity_rps(self, fill: float = 1.0) -> float:
+        """Requests per second one replica keeps up with at `fill` of both its limits: max_num_seqs
+        running, and max_num_batched_tokens of prefill per step (long prompts fill that one first)."""
+        return capacity_rps(self.step, self.max_num_seqs, self.max_num_batched_tokens, self.prompt_tokens,
+                            self.mean_output, fill)
 
 
 @dataclass

@@ -34,6 +34,7 @@ import numpy as np
 from cluster.burst import app_config, full_step_s, serve_replay, startup_from
 from cluster.fleet_sim import FleetSim
 from cluster.fleet_sim_parts import Policy, SimWorkload
+from cluster.plots import plot_sim_check
 from cluster.request_traces import RequestTrace, bundled, load_request_trace
 from cluster.traces import Trace
 
@@ -104,11 +105,13 @@ class RecordingPolicy:
 
     def __call__(self, ctx):
         n, state = self.inner(ctx)
-        running = (ctx.aggregated_metrics or {}).get("running", {})
+        metrics = ctx.aggregated_metrics or {}
+        running, capacity = metrics.get("running", {}), [x for x in metrics.get("capacity", {}).values() if x > 0]
         line = {"t": ctx.current_time if ctx.current_time is not None else time.time(),
                 "current": ctx.current_num_replicas, "target": ctx.target_num_replicas,
                 "demand": ctx.total_num_requests, "queued": ctx.total_queued_requests,
-                "running": float(sum(running.values())), "decision": n}
+                "running": float(sum(running.values())), "decision": n,
+                "capacity": float(np.median(capacity)) if capacity else None}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         return n, state
@@ -134,6 +137,13 @@ def read_records(path: str, t0: float, grid: np.ndarray) -> dict:
     rows = [r for r in rows if r["t"] >= t0] or [{"t": t0, "demand": 0.0, "queued": 0.0, "running": 0.0}]
     t = [r["t"] - t0 for r in rows]
     return {k: step_at(t, [r[k] or 0.0 for r in rows], grid) for k in ("demand", "queued", "running")}
+
+
+def reported_capacity(path: str) -> Optional[float]:
+    """The median over the run of the replicas' reported capacity (req/s full) as the policy saw it."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).exists() else []
+    seen = [r["capacity"] for r in rows if r.get("capacity")]
+    return float(np.median(seen)) if seen else None
 
 
 def simulate(trace: RequestTrace, app: dict, startup_s: float, prompt_tokens: float, max_tokens: int,
@@ -228,31 +238,6 @@ def side_by_side(real: Run, sim: Run, rate: np.ndarray, every_s: int = 5) -> str
     return "\n".join(lines)
 
 
-def plot(real: Run, sim: Run, rate: np.ndarray, verdict: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.step(real.t, real.running, where="post", label=f"real Serve: running ({real.within_slo:.0%} in SLO)", lw=1.6)
-    ax.step(sim.t, sim.running, where="post", label=f"fleet_sim: running ({sim.within_slo:.0%} in SLO)", lw=1.2, ls="--")
-    ax.step(real.t, real.asked, where="post", label="real: asked (starting + running)", lw=0.7, alpha=0.6)
-    ax.step(sim.t, sim.asked, where="post", label="sim: asked", lw=0.7, alpha=0.6, ls=":")
-    ax.set_ylabel("replicas")
-    ax.set_xlabel("seconds")
-    twin = ax.twinx()
-    twin.fill_between(np.arange(len(rate)), rate, color="grey", alpha=0.2, step="post")
-    twin.set_ylabel("arrivals / s (10 s bins)")
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(f"sim check: running within +-1 for {verdict['running_within_tolerance']:.0%} of the time, "
-                 f"SLO share gap {verdict['slo_gap_points']:.1f} points (simulated replicas)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", type=float, nargs=2, default=[560.0, 1000.0], help="seconds of azure_code_2023")
@@ -292,6 +277,9 @@ def main(argv=None) -> int:
           f"{scale:.2f}x the preset's (given to the simulator)")
     sim = simulate(trace, app, startup, real.extra["prompt_tokens"], args.max_tokens, args.slo_s, end_s,
                    str(out / "policy_sim.jsonl"), startups, scale)
+    capacity = {r: reported_capacity(str(out / f"policy_{r}.jsonl")) for r in ("real", "sim")}
+    print(f"a replica's capacity as the replicas reported it (median, req/s full): real {capacity['real']}, "
+          f"simulated {capacity['sim']} (the preset's at the measured step)")
     rate = np.where(sim.t <= trace.duration_s, trace.to_rate(10.0).rate(sim.t), 0.0)
     verdict = compare(real, sim)
     print(side_by_side(real, sim, rate))
@@ -301,13 +289,14 @@ def main(argv=None) -> int:
           f"seconds (exact {verdict['running_exact']:.0%}); {'AGREE' if verdict['agree'] else 'DISAGREE'} "
           f"({verdict['tolerance']})")
     report = {"trace": trace.describe(), "app": app, "startup_s": startup, "verdict": verdict,
+              "capacity_rps": capacity,
               "real": {k: v for k, v in vars(real).items() if k not in ("t", "running", "asked", "seen")},
               "sim": {k: v for k, v in vars(sim).items() if k not in ("t", "running", "asked", "seen")},
               "series": {"t": real.t.tolist(), **{f"{r.name}_{k}": v.tolist() for r in (real, sim)
                                                   for k, v in [("running", r.running), ("asked", r.asked),
                                                                *((f"seen_{k}", v) for k, v in r.seen.items())]}}}
     if not args.no_plot:
-        report["plot"] = str(plot(real, sim, rate, verdict, out / "sim_check.png"))
+        report["plot"] = str(plot_sim_check(real, sim, rate, verdict, out / "sim_check.png"))
     (out / "sim_check.json").write_text(json.dumps(report, indent=1, default=float))
     print(f"wrote {out / 'sim_check.json'}")
     return 0 if verdict["agree"] else 1

@@ -98,15 +98,8 @@ def policies(work: SimWorkload, max_replicas: int, target_running: float, startu
     }
 
 
-def replica_rps(work: SimWorkload, fill: float) -> float:
-    """Requests per second one replica keeps up with at `fill` of both its limits: max_num_seqs
-    running, and max_num_batched_tokens of prefill per step (long prompts fill that one first)."""
-    by_prefill = fill * work.max_num_batched_tokens * work.mean_output / max(work.prompt_tokens, 1)
-    return work.throughput_rps(min(fill * work.max_num_seqs, by_prefill))
-
-
 def clairvoyant_schedule(trace: Trace, work: SimWorkload, startup_s: float, max_replicas: int, fill: float):
-    per_replica = replica_rps(work, fill)
+    per_replica = work.capacity_rps(fill)
 
     def schedule(t: float) -> int:
         need = trace.max_over(t, t + startup_s + 1.0) / per_replica
@@ -263,8 +256,8 @@ def main(argv=None) -> int:
               "prompt_tokens": prompt, "output_tokens": work.mean_output,
               "tokens_from_trace": bool(tokens) and not (args.prompt_tokens and args.output_tokens),
               "target_running": target_running, "slo_s": args.slo_s,
-              "replica_rps_clairvoyant": replica_rps(work, args.clairvoyant_fill),
-              "replica_rps_full": replica_rps(work, 1.0), "runs": []}
+              "replica_rps_clairvoyant": work.capacity_rps(args.clairvoyant_fill),
+              "replica_rps_full": work.capacity_rps(), "runs": []}
     if tokens:
         print(f"tokens per request: {prompt} in, {work.mean_output} out"
               + (" (the trace's means)" if report["tokens_from_trace"] else ""))

@@ -130,7 +130,10 @@ def build_app(args: dict) -> Application:
     """Serve application builder. `args` is AppConfig as a dict (or an AppConfig)."""
     cfg = load_config(args)
     llm_options = llm_deployment_options(cfg)
-    llm = LLMServer.options(**llm_options).bind(cfg.engine.model_dump(), cfg.model_name, cfg.stream.model_dump())
+    # The replicas' step-time prior is LLMRouter's (validated above), so both read measurements alike.
+    cost_model = llm_options["request_router_config"].request_router_kwargs.get("cost_model") or default_cost_model(cfg)
+    llm = LLMServer.options(**llm_options).bind(cfg.engine.model_dump(), cfg.model_name, cfg.stream.model_dump(),
+                                                cost_model)
     # The ingress relays every stream, so a leaving ingress replica (a redeploy replaces it too) waits
     # as long as the LLM replicas do: Serve's 20 s default would cut longer streams.
     shutdown = {k: llm_options[k] for k in ("graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s")}

@@ -6,9 +6,11 @@ measured); the rest is measured from the replicas or derived from those two (doc
     measured  the start-up (ask -> all running); mu, the completions per second of a full replica
               (requests wait in its engine, or at the handles while it runs 90% of its slots, or its
               KV cache is full) once it has been full a look-back plus a request's latency, averaged
-              over a start-up; until one was full, the highest median completion rate seen,
-              averaged over a memory bucket (a floor); the replica's slots (from the engine config
-              via the app, else the most it ran while requests queued)
+              over a start-up; until one was full, the higher of what replicas report they would
+              complete full (capacity: their measured step times at their requests' size) and the
+              highest median completion rate seen, averaged over a memory bucket (a floor); the
+              replica's slots (from the engine config via the app, else the most it ran while
+              requests queued)
     rate      arrivals = completions + growth of the requests in the system over ~5 s, averaged over
               a memory bucket; a ramp (up in 5 of the last 6 buckets, at most doubling) is projected
               one start-up ahead, when replicas asked now land
@@ -56,6 +58,7 @@ SERVE_POLICY_PATH = "ray.serve.autoscaling_policy:replica_queue_length_autoscali
 
 # Metric names LLMServer.record_autoscaling_stats reports.
 RUNNING, WAITING, KV_USAGE, FINISHED, PREEMPTIONS = "running", "waiting", "kv_usage", "finished", "preemptions"
+CAPACITY = "capacity"  # req/s a replica estimates it completes full (router.cost_model.StepMeter.capacity)
 KV_FULL = 0.9  # KV usage at which a replica admits no more (the engine's watermark)
 RECUR_GAPS = 3.0  # a recurring level is released after a silence of this many mean gaps between visits
 KEEP_TOLERANCE = 0.1  # running requests within 10% of a level neither keep nor release it (Knative's and AIBrix's band)
@@ -159,7 +162,14 @@ class QueueDepthPolicy:
             # read where full replicas measured 15.0, and the fleet ran a fifth short).
             done = demand_memory.smoothed(s, now, median(rates.values()), bucket, "mu_seen")
             s["mu_floor"] = max(s.get("mu_floor") or 0.0, done)
-        mu, slots = s.get("mu") or s.get("mu_floor"), self.replica_slots or s.get("slots")
+        # Until then, what replicas estimate from their step times and their requests' size: a fleet
+        # that never fills (smooth traffic) is sized by it, not by the rate it happened to run at
+        # (azure_conv: the floor read 12.2-12.8 req/s where a full replica does 15.0).
+        capacities = [x for x in metrics.get(CAPACITY, {}).values() if x > 0]
+        if capacities:
+            s["capacity"] = median(capacities)
+        mu = s.get("mu") or max(s.get("mu_floor") or 0.0, s.get("capacity") or 0.0) or None
+        slots = self.replica_slots or s.get("slots")
 
         # With a rate known, a queue is the burst rule's (a queue of thousands over slots would buy
         # replicas for requests that are served before they land); before, it counts as load.

@@ -14,6 +14,7 @@ from typing import AsyncIterator, Dict, List, Optional
 from ray import serve
 
 from batcher.outputs import Completion, completions_by_choice, merge_by_choice
+from batcher.simulated import PRESETS
 from deployments import metrics
 from deployments.coalesce import coalesce
 from deployments.config import StreamConfig
@@ -29,7 +30,11 @@ TEST_HOOKS_ENV = "ITERSERVE_ENABLE_TEST_HOOKS"
 
 @serve.deployment(name="LLMServer")
 class LLMServer:
-    def __init__(self, engine_config: dict, served_model_name: str, stream_config: Optional[dict] = None):
+    def __init__(self, engine_config: dict, served_model_name: str, stream_config: Optional[dict] = None,
+                 cost_model: Optional[str] = None):
+        """`cost_model`: the step-time preset its measured step times are shrunk toward (the request
+        router's prior, deployments.app.default_cost_model); default: a simulated replica's own, else
+        the CPU's."""
         from batcher import AsyncLLMEngine, EngineConfig  # torch loads here, not in the ingress
 
         # The engine sets torch's thread count from the config (Ray gives 0-CPU actors 1 thread).
@@ -57,6 +62,8 @@ class LLMServer:
         self._token_text: Dict[int, str] = {}
         self.metrics = metrics.ReplicaMetrics(metrics.replica_tags())
         self.step_meter = StepMeter()  # its measured step times, reported to request routers
+        self.step_prior = (PRESETS[cost_model] if cost_model in PRESETS else preset or PRESETS["cpu-smollm2"]).step
+        self.engine_shape = (config.max_num_seqs, config.max_num_batched_tokens, config.block_size)
         # Serve builds the replica inside its event loop: the refresh runs there until the replica stops.
         self._metrics_task = asyncio.get_running_loop().create_task(self.metrics.refresh_forever(self.engine.stats))
 
@@ -176,10 +183,16 @@ class LLMServer:
     def record_autoscaling_stats(self) -> Dict[str, float]:
         """Custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id] in a policy)."""
         s = self.engine.stats()
+        seqs, batched_tokens, block_size = self.engine_shape
         # `finished` and `preemptions` are counters: the policy reads their rate from the raw series.
-        return {"waiting": float(s.waiting), "running": float(s.running), "kv_usage": float(s.kv_usage),
-                "kv_blocks_free": float(s.kv_blocks_free),
-                "finished": float(s.finished_requests + s.aborted_requests), "preemptions": float(s.preemptions)}
+        stats = {"waiting": float(s.waiting), "running": float(s.running), "kv_usage": float(s.kv_usage),
+                 "kv_blocks_free": float(s.kv_blocks_free),
+                 "finished": float(s.finished_requests + s.aborted_requests), "preemptions": float(s.preemptions)}
+        # `capacity`: req/s it would complete running all its slots, from its step times (measured
+        # over the last minute or two) and its requests' size. Left out until it knows them: Serve
+        # averages each metric over the points it has, and zeros would pull the first ones down.
+        capacity = self.step_meter.capacity(self.step_prior, seqs, batched_tokens, s.kv_blocks_total * block_size)
+        return {**stats, "capacity": capacity} if capacity > 0 else stats
 
     def check_health(self) -> None:
         self.engine.check_health()  # raises EngineDeadError: Serve then replaces this replica

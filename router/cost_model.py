@@ -7,7 +7,13 @@ at every report): each report interval becomes one sample, the per-step means of
 steps (1, prefill tokens, decoding sequences, context tokens) against its seconds per step, weighted
 by its number of steps. The model is linear, so means of steps obey it as single steps do. The
 replica reports the normal equations of the last `window` samples (`step_fit`: steps, xtx, xty), not
-a fitted model: it knows no prior, and sums from several reports could be pooled.
+a fitted model: the router shrinks it toward a prior of its own, and sums from several reports could
+be pooled.
+
+The replica also keeps its requests' mean size over the window (prompt tokens it computed, tokens
+it generated per request ended), so `StepMeter.capacity` can say what it would complete running all
+its slots without ever running them (`capacity_rps`): the autoscaler's mu until a replica has been
+full (deployments/autoscaling.py).
 
 Router side, `learned_step`: least squares over those sums, each term's factor over the preset
 shrunk toward it in log terms: with few steps measured the preset holds, after a few hundred the
@@ -45,13 +51,14 @@ class _Counters:
     tokens: int  # computed: prefill chunks + one per decoding sequence
     generated: int  # sampled: one per decoding sequence + one per prompt finished
     admitted: int  # requests added so far (each finishes one prefill)
+    ended: int  # requests finished, aborted or failed so far
     context: int  # tokens held by running sequences now
 
     @classmethod
     def of(cls, stats) -> "_Counters":
         ended = stats.finished_requests + stats.aborted_requests + stats.failed_requests
         return cls(stats.steps, stats.step_seconds, stats.tokens_computed, stats.generated_tokens,
-                   ended + stats.waiting + stats.running, stats.context_tokens)
+                   ended + stats.waiting + stats.running, ended, stats.context_tokens)
 
 
 class StepMeter:
@@ -63,6 +70,8 @@ class StepMeter:
         self._last_time = 0.0
         self._samples: Deque[Tuple[float, np.ndarray, float]] = deque(maxlen=window)  # (steps, x, seconds/step)
         self._busy: Deque[Tuple[float, float]] = deque(maxlen=BUSY_SAMPLES)  # (wall seconds, step seconds)
+        # (prefill tokens, requests admitted, tokens generated, requests ended) per interval
+        self._sizes: Deque[Tuple[int, int, int, int]] = deque(maxlen=window)
 
     def observe(self, stats, now_s: Optional[float] = None) -> None:
         """The engine's counters (EngineStats) at `now_s` (time.monotonic() by default)."""
@@ -74,14 +83,17 @@ class StepMeter:
             return
         if now_s > last_time:
             self._busy.append((now_s - last_time, now.seconds - last.seconds))
-        if now.steps <= last.steps:
-            return
-        n = now.steps - last.steps
         # Sampled tokens less one per prompt finished are decode steps (a prompt finishing in the
         # next interval is counted here: the error is one token per request, both ways).
         computed = now.tokens - last.tokens
         decode = min(max(0, (now.generated - last.generated) - (now.admitted - last.admitted)), computed)
         prefill = computed - decode
+        if now.admitted > last.admitted or now.ended > last.ended or computed > 0:
+            self._sizes.append((prefill, now.admitted - last.admitted, now.generated - last.generated,
+                                now.ended - last.ended))
+        if now.steps <= last.steps:
+            return
+        n = now.steps - last.steps
         x = np.array([1.0, prefill / n, decode / n, (now.context + last.context) / 2.0])
         self._samples.append((float(n), x, (now.seconds - last.seconds) / n))
 
@@ -97,6 +109,42 @@ class StepMeter:
         busy = min(1.0, sum(b for _, b in self._busy) / wall) if wall > 0 else 0.0
         return {"steps": float(n.sum()), "xtx": ((x.T * n) @ x).tolist(), "xty": ((x.T * n) @ y).tolist(),
                 "busy": busy}
+
+    def request_size(self) -> Optional[Tuple[float, float]]:
+        """(prompt tokens computed, tokens generated) per request over the window; None before a
+        request was admitted and one ended in it."""
+        prefill, admitted, generated, ended = (sum(c) for c in zip(*self._sizes)) if self._sizes else (0, 0, 0, 0)
+        return (prefill / admitted, generated / ended) if admitted > 0 and ended > 0 and generated > 0 else None
+
+    def capacity(self, prior: StepTimeModel, max_num_seqs: int, max_num_batched_tokens: int,
+                 kv_tokens: Optional[float] = None) -> float:
+        """Requests per second this replica would complete running all it can (`capacity_rps`), from
+        its step times (learned_step over `prior`) and its requests' mean size; 0.0 before it knows
+        their size."""
+        size = self.request_size()
+        if size is None:
+            return 0.0
+        prompt, output = size
+        # Running sequences hold their prompt and about half their output in KV blocks.
+        slots = max_num_seqs if not kv_tokens else min(max_num_seqs, kv_tokens / max(prompt + output / 2, 1.0))
+        return capacity_rps(learned_step(prior, self.fit()), slots, max_num_batched_tokens, prompt, output)
+
+
+def completion_rate(step: StepTimeModel, running: float, prompt_tokens: float, output_tokens: float) -> float:
+    """Requests per second an engine completes at a steady `running` sequences: every step decodes
+    one token of each and prefills the prompts of those that replace the ones ending in it."""
+    prefill = running / output_tokens * prompt_tokens
+    seconds = step.step_seconds(prefill, running, running * (prompt_tokens + output_tokens))
+    return running / (seconds * output_tokens)
+
+
+def capacity_rps(step: StepTimeModel, max_running: float, max_num_batched_tokens: float, prompt_tokens: float,
+                 output_tokens: float, fill: float = 1.0) -> float:
+    """Requests per second a full engine completes: at `fill` of its running limit, or of the running
+    count whose replacements' prompts fill the step's token budget, whichever is lower (long prompts)."""
+    output_tokens = max(output_tokens, 1.0)
+    by_prefill = max_num_batched_tokens * output_tokens / max(prompt_tokens, 1.0)
+    return completion_rate(step, fill * min(max_running, by_prefill), prompt_tokens, output_tokens)
 
 
 def learned_step(prior: StepTimeModel, fit: Optional[dict], prior_steps: float = PRIOR_STEPS) -> StepTimeModel:

@@ -19,7 +19,7 @@ from deployments.config import AutoscalingConfig as AppAutoscaling
 
 
 def ctx(target, ready=None, running=(), waiting=(), kv=(), handle_queued=0.0, total=None, finished=None,
-        preempted=(), state=None, now=0.0, lo=1, hi=100, config=None):
+        preempted=(), state=None, now=0.0, lo=1, hi=100, config=None, capacity=None):
     """A context as the controller builds it; per-replica lists are indexed by replica."""
     ready = target if ready is None else ready
     ids = [f"r{i}" for i in range(ready)]
@@ -39,7 +39,8 @@ def ctx(target, ready=None, running=(), waiting=(), kv=(), handle_queued=0.0, to
         target_num_replicas=target, running_replicas=ids, total_num_requests=total,
         total_queued_requests=handle_queued,
         aggregated_metrics={"running": dict(zip(ids, running)), "waiting": dict(zip(ids, waiting)),
-                            "kv_usage": dict(zip(ids, kv))},
+                            "kv_usage": dict(zip(ids, kv)),
+                            **({"capacity": dict(zip(ids, capacity))} if capacity is not None else {})},
         raw_metrics=raw, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
         policy_state=state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=now,
         config=config or default_config())

@@ -127,3 +127,24 @@ def test_mus_floor_is_what_replicas_did_over_a_bucket_not_a_drains_few_seconds()
     floor = state["iterserve"]["mu_floor"]
     assert 1.0 < floor < 2.0, state["iterserve"]
     assert p._need(10.0, 0.0, floor, SLOTS) > p._need(10.0, 0.0, 3.0, SLOTS)
+
+
+def test_replicas_that_never_fill_are_sized_by_the_capacity_they_report():
+    # 4 replicas running 3 of 10 slots, finishing 1.5 req/s each: never full, so mu is not measured.
+    # With the capacity they report (2 req/s full, from their step times: router.cost_model), 6 req/s
+    # needs 4 replicas; by the rate they ran at (the floor, 1.5) it needs 5, a fleet a fifth too big
+    # on smooth traffic (azure_conv). A capacity under the floor, or none yet (0), leaves the floor.
+    def target(capacity, ticks=40):
+        p, state = policy(), None
+        for t in range(ticks):
+            n, state = p(ctx(4, running=[3.0] * 4, finished=[1.5] * 4, now=float(t), state=state, capacity=capacity))
+        return n, state["iterserve"]
+
+    assert policy()._need(6.0, 12.0, MU, SLOTS) == 4 < policy()._need(6.0, 12.0, 1.5, SLOTS) == 5
+    n, s = target([MU] * 4)
+    assert n == 4 and s["capacity"] == MU and "mu" not in s
+    assert target(None)[0] == target([0.0] * 4)[0] == target([1.0] * 4)[0] == 5
+    # Once replicas were full, what they did is mu, whatever they estimate: 16 req/s need 9 at 2 each.
+    p = policy()
+    n, state = p(ctx(4, running=[8.0] * 4, finished=[4.0] * 4, now=0.0, state=measured(p), capacity=[10 * MU] * 4))
+    assert state["iterserve"]["mu"] == MU and n == p._need(16.0, 32.0, MU, SLOTS) == 9

@@ -10,7 +10,7 @@ import pytest
 
 from batcher.outputs import EngineStats
 from batcher.simulated import PRESETS, StepTimeModel
-from router.cost_model import StepMeter, coefficients, learned_step
+from router.cost_model import StepMeter, capacity_rps, coefficients, completion_rate, learned_step
 from tests.router_harness import blocks, make_router, replica, request
 
 H100, CPU = PRESETS["h100-llama3-8b"].step, PRESETS["cpu-smollm2"].step
@@ -22,6 +22,12 @@ def measured(truth: StepTimeModel, steps: int, seed: int = 0, report_every: int 
     """A replica's `step_fit` after `steps` engine steps timed by `truth` (+-10% noise), its counters
     kept as LLMEngine keeps them (EngineStats) and read at every report: prompts of 50-2000 tokens
     arriving at random, each decoding until it ends at random; stepping `busy` of the time."""
+    return metered(truth, steps, seed, report_every, busy).fit()
+
+
+def metered(truth: StepTimeModel, steps: int, seed: int = 0, report_every: int = 10, busy: float = 0.05) -> StepMeter:
+    """The StepMeter of `measured`: 0.4 prompts a step (mean 1025 tokens), 0.05 of the running ending
+    a step (21 tokens generated each on average): about 8 running."""
     rng, stats, meter, running = np.random.default_rng(seed), EngineStats(), StepMeter(), []
     meter.observe(stats, now_s=0.0)
     for k in range(steps):
@@ -39,7 +45,7 @@ def measured(truth: StepTimeModel, steps: int, seed: int = 0, report_every: int 
         stats.running, stats.context_tokens = len(running), sum(running)
         if k % report_every == report_every - 1:
             meter.observe(stats, now_s=stats.step_seconds / busy)
-    return meter.fit()
+    return meter
 
 
 def test_measured_step_times_replace_a_wrong_preset():
@@ -112,3 +118,24 @@ def test_the_meter_reports_nothing_before_a_step_and_forgets_old_samples():
     assert fit["busy"] == pytest.approx(0.5 / 2.9)  # 0.05 s stepping in each 0.1 s after 2 s idle
     assert np.asarray(fit["xtx"]).shape == (4, 4) and len(fit["xty"]) == 4
     assert coefficients(learned_step(H100, fit))[0] > 0
+
+
+def test_a_replica_says_what_it_would_complete_full_without_running_full():
+    """About 8 of 128 slots running, prior another device's (over 5x off): the meter's capacity is
+    the hardware's at its requests' size, within 15%; long prompts bound it by the step's token
+    budget, a KV cache by the sequences it holds."""
+    for truth, prior in ((H100, CPU), (SLOW_PREFILL, H100)):
+        meter = metered(truth, 3000)
+        prompt, output = meter.request_size()
+        assert prompt == pytest.approx(1025, rel=0.1) and output == pytest.approx(21, rel=0.15)
+        full = capacity_rps(truth, 128, 2048, prompt, output)
+        assert meter.capacity(prior, 128, 2048) == pytest.approx(full, rel=0.15)
+        # Prefill-bound: 2048 tokens a step replace ~42 running, not 128.
+        assert full == pytest.approx(completion_rate(truth, 2048 * output / prompt, prompt, output))
+        wrong = capacity_rps(prior, 128, 2048, prompt, output)  # the prior's: many times off
+        assert max(wrong / full, full / wrong) > 5
+        kv_bound = meter.capacity(prior, 128, 2048, kv_tokens=10 * (prompt + output / 2))
+        assert kv_bound == pytest.approx(capacity_rps(learned_step(prior, meter.fit()), 10, 2048, prompt, output))
+    fresh = StepMeter()
+    fresh.observe(EngineStats(), now_s=0.0)
+    assert fresh.request_size() is None and fresh.capacity(H100, 128, 2048) == 0.0  # nothing ended yet

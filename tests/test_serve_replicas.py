@@ -84,10 +84,16 @@ def test_replica_reports_load_for_router_and_autoscaler(tiny_app):
             assert autoscaling["running"] == 1.0 and autoscaling["kv_blocks_free"] < routing["kv_blocks_total"]
             assert handle.check_health.remote().result() is None
     wait_until(lambda: idle(replica_stats("tiny")), 60, "both replicas idle after the disconnect")
+    capacities = []
     for _ in range(20):  # random replicas: both are reached (all but surely)
         routing = handle.record_routing_stats.remote().result()
         assert routing["request_ids"] == [] and routing["running"] == 0, routing
         assert routing["kv_blocks_free"] == routing["kv_blocks_total"]
         autoscaling = handle.record_autoscaling_stats.remote().result()
         assert autoscaling["running"] == 0.0 and autoscaling["kv_blocks_free"] == routing["kv_blocks_total"]
+        capacities.append(autoscaling.get("capacity"))
+    # What a replica would complete full (req/s), from its step times and its requests' size: known
+    # on the replica that served the stream (its request ended); until then left out, never 0.
+    known = [c for c in capacities if c is not None]
+    assert known and all(0 < c < 1e6 for c in known), capacities
     assert handle.check_health.remote().result() is None
