@@ -260,11 +260,13 @@ class LLMEngine:
             if self.constrained is not None:
                 self.constrained.remove(choice.seq)
         self.sampler.forget(request.seq.request_id)
+        generated = sum(c.seq.num_output_tokens for c in request.choices)
         if request.adapter is not None:
             self.lora.finished(request.adapter)
-            self.lora.generated(request.adapter.name, sum(c.seq.num_output_tokens for c in request.choices))
+            self.lora.generated(request.adapter.name, generated)
         del self.requests[request.seq.request_id]
         self.counters.finished_requests += reason not in ("abort", "error")
+        self.counters.ended_output_tokens += generated
 
     # -- offline ------------------------------------------------------------------------------
     def generate(self, prompts: Union[Prompt, Seq[Prompt]],

@@ -58,6 +58,7 @@ class EngineStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     failed_requests: int = 0  # ended by a failed step (batcher.errors.StepError)
+    ended_output_tokens: int = 0  # tokens the ended requests (finished, aborted, failed) generated, all choices
     failed_steps: int = 0  # steps whose forward or sampling raised
     forward_seconds: float = 0.0  # wall time inside the model forward (ModelRunner.execute)
     step_seconds: float = 0.0  # wall time of whole steps

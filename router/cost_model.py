@@ -52,13 +52,14 @@ class _Counters:
     generated: int  # sampled: one per decoding sequence + one per prompt finished
     admitted: int  # requests added so far (each finishes one prefill)
     ended: int  # requests finished, aborted or failed so far
+    ended_output: int  # tokens those requests generated
     context: int  # tokens held by running sequences now
 
     @classmethod
     def of(cls, stats) -> "_Counters":
         ended = stats.finished_requests + stats.aborted_requests + stats.failed_requests
         return cls(stats.steps, stats.step_seconds, stats.tokens_computed, stats.generated_tokens,
-                   ended + stats.waiting + stats.running, ended, stats.context_tokens)
+                   ended + stats.waiting + stats.running, ended, stats.ended_output_tokens, stats.context_tokens)
 
 
 class StepMeter:
@@ -70,7 +71,7 @@ class StepMeter:
         self._last_time = 0.0
         self._samples: Deque[Tuple[float, np.ndarray, float]] = deque(maxlen=window)  # (steps, x, seconds/step)
         self._busy: Deque[Tuple[float, float]] = deque(maxlen=BUSY_SAMPLES)  # (wall seconds, step seconds)
-        # (prefill tokens, requests admitted, tokens generated, requests ended) per interval
+        # (prefill tokens, requests admitted, tokens the ended requests generated, requests ended) per interval
         self._sizes: Deque[Tuple[int, int, int, int]] = deque(maxlen=window)
 
     def observe(self, stats, now_s: Optional[float] = None) -> None:
@@ -89,7 +90,9 @@ class StepMeter:
         decode = min(max(0, (now.generated - last.generated) - (now.admitted - last.admitted)), computed)
         prefill = computed - decode
         if now.admitted > last.admitted or now.ended > last.ended or computed > 0:
-            self._sizes.append((prefill, now.admitted - last.admitted, now.generated - last.generated,
+            # Answers are counted whole as they end: tokens sampled in the window and requests ended
+            # in it would read short for a window after a load change (its first ends began before it).
+            self._sizes.append((prefill, now.admitted - last.admitted, now.ended_output - last.ended_output,
                                 now.ended - last.ended))
         if now.steps <= last.steps:
             return
@@ -111,8 +114,8 @@ class StepMeter:
                 "busy": busy}
 
     def request_size(self) -> Optional[Tuple[float, float]]:
-        """(prompt tokens computed, tokens generated) per request over the window; None before a
-        request was admitted and one ended in it."""
+        """(prompt tokens computed per request admitted, tokens generated per request ended) over the
+        window; None before a request was admitted and one ended in it."""
         prefill, admitted, generated, ended = (sum(c) for c in zip(*self._sizes)) if self._sizes else (0, 0, 0, 0)
         return (prefill / admitted, generated / ended) if admitted > 0 and ended > 0 and generated > 0 else None
 

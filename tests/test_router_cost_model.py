@@ -1,8 +1,10 @@
 """The router's cost model learned from what replicas measure (router.cost_model), with plain data:
-engine counters as a replica's engine keeps them, reports as LLMServer sends them, no Ray cluster."""
+engine counters as a replica's engine keeps them, reports as LLMServer sends them, no Ray cluster;
+last, the capacity check (load_tests.capacity_check) on a real engine."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import numpy as np
@@ -28,21 +30,21 @@ def measured(truth: StepTimeModel, steps: int, seed: int = 0, report_every: int 
 def metered(truth: StepTimeModel, steps: int, seed: int = 0, report_every: int = 10, busy: float = 0.05) -> StepMeter:
     """The StepMeter of `measured`: 0.4 prompts a step (mean 1025 tokens), 0.05 of the running ending
     a step (21 tokens generated each on average): about 8 running."""
-    rng, stats, meter, running = np.random.default_rng(seed), EngineStats(), StepMeter(), []
+    rng, stats, meter, running = np.random.default_rng(seed), EngineStats(), StepMeter(), []  # [context, generated]
     meter.observe(stats, now_s=0.0)
     for k in range(steps):
         prefill = int(rng.integers(50, 2000)) if rng.random() < 0.4 else 0
         decode = len(running)
         stats.tokens_computed += prefill + decode
         stats.generated_tokens += decode + (prefill > 0)
-        if prefill:
-            running.append(prefill)
-        stats.step_seconds += truth.step_seconds(prefill, decode, sum(running)) * rng.uniform(0.9, 1.1)
+        running = [[n, g + 1] for n, g in running] + ([[prefill, 1]] if prefill else [])
+        stats.step_seconds += truth.step_seconds(prefill, decode, sum(n for n, _ in running)) * rng.uniform(0.9, 1.1)
         stats.steps += 1
         ended = [i for i in range(len(running)) if rng.random() < 0.05]
-        running = [n + 1 for i, n in enumerate(running) if i not in ended]
+        stats.ended_output_tokens += sum(running[i][1] for i in ended)
+        running = [[n + 1, g] for i, (n, g) in enumerate(running) if i not in ended]
         stats.finished_requests += len(ended)
-        stats.running, stats.context_tokens = len(running), sum(running)
+        stats.running, stats.context_tokens = len(running), sum(n for n, _ in running)
         if k % report_every == report_every - 1:
             meter.observe(stats, now_s=stats.step_seconds / busy)
     return meter
@@ -139,3 +141,18 @@ def test_a_replica_says_what_it_would_complete_full_without_running_full():
     fresh = StepMeter()
     fresh.observe(EngineStats(), now_s=0.0)
     assert fresh.request_size() is None and fresh.capacity(H100, 128, 2048) == 0.0  # nothing ended yet
+
+
+def test_the_capacity_check_estimates_light_then_counts_full(tmp_path):
+    """`python -m load_tests.capacity_check` on tiny-llama, seconds per phase: the light phase's
+    estimate, the full phase's completions and the request size it read (unique ~76-token prompts
+    computed whole, 16 tokens generated each), in its JSON."""
+    from load_tests import capacity_check
+
+    out = tmp_path / "capacity.json"
+    result = capacity_check.main(["--model", "tiny-llama", "--seconds", "3", "--warmup-s", "1",
+                                  "--max-tokens", "16", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["light_rps"] > 0 and result["full_rps"] > 0 and result["capacity_estimate_rps"] > 0
+    assert 60 < result["prompt_tokens_computed"] < 90 and 12 < result["tokens_generated"] <= 17
+    assert result["estimate_over_full"] == result["capacity_estimate_rps"] / result["full_rps"]

@@ -56,3 +56,18 @@ def test_steps_take_the_modelled_time_without_using_a_core(sim):
 def test_step_time_model_terms():
     m = StepTimeModel(fixed_s=1.0, prefill_token_s=0.1, decode_seq_s=0.01, context_token_s=0.001)
     assert m.step_seconds(10, 2, 100) == pytest.approx(1.0 + 1.0 + 0.02 + 0.1)
+
+
+def test_the_engine_counts_the_whole_answers_of_the_requests_that_ended(sim):
+    # What a replica's requests generate each (router.cost_model's request size) is read from
+    # answers counted whole as they end: finished ones (both choices of n = 2) and aborted ones.
+    before = sim.stats()
+    sim.generate(list(range(2000, 2040)), SamplingParams(max_tokens=12, n=2, ignore_eos=True, temperature=0.8))
+    rid = sim.add_request(list(range(3000, 3040)), SamplingParams(max_tokens=500, ignore_eos=True))
+    for _ in range(6):
+        sim.step()
+    sim.abort(rid)
+    after = sim.stats()
+    assert after.ended_output_tokens - before.ended_output_tokens == 2 * 12 + 6
+    ended = (after.finished_requests + after.aborted_requests) - (before.finished_requests + before.aborted_requests)
+    assert ended == 2
