@@ -135,6 +135,20 @@ class QueueDepthPolicy:
         if demand <= 0:  # nobody in the system over the look-back: the average's tail is no load
             s["arrivals"], arrivals = (now, 0.0), 0.0
 
+        if rates and completions > 0:  # a replica does at least what replicas did: mu's floor
+            # Over a bucket, not a look-back: while the system drains, replicas that stop prefilling
+            # finish their requests faster than they sustain for a few seconds (azure_conv: 18.9/s
+            # read where full replicas measured 15.0, and the fleet ran a fifth short).
+            done = demand_memory.smoothed(s, now, median(rates.values()), bucket, "mu_seen")
+            s["mu_floor"] = max(s.get("mu_floor") or 0.0, done)
+        # What replicas estimate from their step times and their requests' size (mu until one has
+        # been full, and its prior): a fleet that never fills (smooth traffic) is sized by it, not by
+        # the rate it happened to run at (azure_conv: the floor read 12.2-12.8 req/s where a full
+        # replica does 15.0).
+        capacities = [x for x in metrics.get(CAPACITY, {}).values() if x > 0]
+        if capacities:
+            s["capacity"] = median(capacities)
+
         # Full replicas: their completion rate is what a replica can do (mu); their running count
         # is its slots.
         slots = self.replica_slots or s.get("slots")
@@ -154,20 +168,8 @@ class QueueDepthPolicy:
         look_back = ctx.config.look_back_period_s if ctx.config else 30.0
         settled = {r for r, x in rates.items()
                    if x > 0 and r in full_since and now - full_since[r] >= look_back + running.get(r, 0.0) / x}
-        self._measure(s, now, startup, [rates[r] for r in full if r in settled],
+        self._measure(s, now, startup, look_back, [rates[r] for r in full if r in settled],
                       [running.get(r, 0.0) for r in full] if handle_queued > 0 else [])
-        if rates and completions > 0:  # a replica does at least what replicas did: mu's floor
-            # Over a bucket, not a look-back: while the system drains, replicas that stop prefilling
-            # finish their requests faster than they sustain for a few seconds (azure_conv: 18.9/s
-            # read where full replicas measured 15.0, and the fleet ran a fifth short).
-            done = demand_memory.smoothed(s, now, median(rates.values()), bucket, "mu_seen")
-            s["mu_floor"] = max(s.get("mu_floor") or 0.0, done)
-        # Until then, what replicas estimate from their step times and their requests' size: a fleet
-        # that never fills (smooth traffic) is sized by it, not by the rate it happened to run at
-        # (azure_conv: the floor read 12.2-12.8 req/s where a full replica does 15.0).
-        capacities = [x for x in metrics.get(CAPACITY, {}).values() if x > 0]
-        if capacities:
-            s["capacity"] = median(capacities)
         mu = s.get("mu") or max(s.get("mu_floor") or 0.0, s.get("capacity") or 0.0) or None
         slots = self.replica_slots or s.get("slots")
 
@@ -228,15 +230,20 @@ class QueueDepthPolicy:
         return n
 
     @staticmethod
-    def _measure(s: dict, now: float, startup: float, full_rates: List[float], full_running: List[float]) -> None:
-        """mu: the median completion rate of full replicas, averaged over about a start-up (a replica
-        that turns full mid-window reads low, one that drains a backlog of prefilled requests high)."""
+    def _measure(s: dict, now: float, startup: float, look_back: float, full_rates: List[float],
+                 full_running: List[float]) -> None:
+        """mu: the median completion rate of full replicas, averaged over about a start-up of their
+        full seconds (a replica that turns full mid-window reads low, one that drains a backlog of
+        prefilled requests high)."""
         if full_running:
             s["slots"] = max(s.get("slots") or 0.0, max(full_running))
         if full_rates:
-            mu_now, mu = median(full_rates), s.get("mu")
+            # A reading weighs the seconds it adds (at most a look-back, not the time since the last:
+            # one drain's reading after a lull replaced mu); the first, from the replicas' estimate.
+            mu_now, mu = median(full_rates), s.get("mu") or s.get("capacity")
             if mu_now > 0:
-                a = 1.0 if not mu else 1.0 - math.exp(-max(0.0, now - s["mu_t"]) / startup)
+                seconds = min(max(0.0, now - s.get("mu_t", -math.inf)), look_back)
+                a = 1.0 if not mu else 1.0 - math.exp(-seconds / startup)
                 s["mu"] = (mu or 0.0) + a * (mu_now - (mu or 0.0))
             s["mu_t"] = now
 

@@ -25,6 +25,37 @@ def test_mu_is_read_only_from_replicas_full_for_a_look_back_and_a_latency():
     assert state["iterserve"]["mu"] == MU
 
 
+def test_mu_is_averaged_over_the_seconds_replicas_were_full_not_the_time_between():
+    # mu measured (2 req/s), then 1000 s without a full replica. A burst fills both again; as it
+    # drains, they read 3 req/s for a few seconds (azure_code: 16.2 where full replicas do 13.2). Each
+    # reading weighs the seconds it covers (a look-back), not the 1000 s since the last: weighed by
+    # the gap, the first reading replaced mu and the fleet was sized a fifth short for the next bursts.
+    p = policy()
+    state = measured(p, now=-1000.0)
+    _, state = p(ctx(2, running=[3, 3], finished=[1.0, 1.0], now=-999.0, state=state, hi=2))
+    for t in range(0, 16):  # full from t = 0; settled (a look-back + 10 / 3 s) from t = 9
+        _, state = p(ctx(2, running=[10, 10], handle_queued=5, finished=[3.0, 3.0], now=float(t), state=state, hi=2))
+    assert 2.0 < state["iterserve"]["mu"] < 2.4, state["iterserve"]
+    for t in range(16, 16 + 4 * int(STARTUP)):  # a rate held for start-ups is what replicas do now
+        _, state = p(ctx(2, running=[10, 10], handle_queued=5, finished=[3.0, 3.0], now=float(t), state=state, hi=2))
+    assert state["iterserve"]["mu"] > 2.9
+
+
+def test_the_first_reading_of_mu_starts_from_the_capacity_replicas_report():
+    # Full 10 s at a drain's 3 req/s where the replicas estimate 2 (router.cost_model): mu moves from
+    # 2 by the seconds read, not to 3 at once (conv on the 70B preset: a first reading of 14.4 where
+    # a full replica does 12.4). Without an estimate the first reading is all there is.
+    def mu_after(capacity):
+        p, state = policy(), None
+        for t in range(0, 11):
+            _, state = p(ctx(2, running=[10, 10], handle_queued=5, finished=[3.0, 3.0], now=float(t),
+                             state=state, hi=2, capacity=capacity))
+        return state["iterserve"]["mu"]
+
+    assert 2.0 < mu_after([MU, MU]) < 2.4
+    assert mu_after(None) == 3.0
+
+
 def test_burst_capacity_keeps_a_bursts_queue_within_the_slo():
     # 10 s buckets, a 1 s SLO. A lone 10 s burst of 110 req/s needs 100: 1000 served in the burst, the
     # other 100 within the SLO after it. The bucket after it: the two buckets' 1100 over 21 s.
