@@ -6,8 +6,8 @@ measured); the rest is measured from the replicas or derived from those two (doc
     measured  the start-up (ask -> all running); mu, the completions per second of a full replica
               (requests wait in its engine, or at the handles while it runs 90% of its slots, or its
               KV cache is full) once it has been full a look-back plus a request's latency, averaged
-              over a start-up; until one was full, the higher of what replicas report they would
-              complete full (capacity: their measured step times at their requests' size) and the
+              over a start-up of full seconds; until one was full, what replicas report they would
+              complete full (capacity: their measured step times at their requests' size), else the
               highest median completion rate seen, averaged over a memory bucket (a floor); the
               replica's slots (from the engine config via the app, else the most it ran while
               requests queued)
@@ -135,7 +135,7 @@ class QueueDepthPolicy:
         if demand <= 0:  # nobody in the system over the look-back: the average's tail is no load
             s["arrivals"], arrivals = (now, 0.0), 0.0
 
-        if rates and completions > 0:  # a replica does at least what replicas did: mu's floor
+        if rates and completions > 0:  # without a capacity reported, replicas do at least what they did
             # Over a bucket, not a look-back: while the system drains, replicas that stop prefilling
             # finish their requests faster than they sustain for a few seconds (azure_conv: 18.9/s
             # read where full replicas measured 15.0, and the fleet ran a fifth short).
@@ -144,7 +144,8 @@ class QueueDepthPolicy:
         # What replicas estimate from their step times and their requests' size (mu until one has
         # been full, and its prior): a fleet that never fills (smooth traffic) is sized by it, not by
         # the rate it happened to run at (azure_conv: the floor read 12.2-12.8 req/s where a full
-        # replica does 15.0).
+        # replica does 15.0), nor by the floor, which drains still read high over a bucket (MMPP:
+        # 14.3 where a full replica does 13.0).
         capacities = [x for x in metrics.get(CAPACITY, {}).values() if x > 0]
         if capacities:
             s["capacity"] = median(capacities)
@@ -170,7 +171,7 @@ class QueueDepthPolicy:
                    if x > 0 and r in full_since and now - full_since[r] >= look_back + running.get(r, 0.0) / x}
         self._measure(s, now, startup, look_back, [rates[r] for r in full if r in settled],
                       [running.get(r, 0.0) for r in full] if handle_queued > 0 else [])
-        mu = s.get("mu") or max(s.get("mu_floor") or 0.0, s.get("capacity") or 0.0) or None
+        mu = s.get("mu") or s.get("capacity") or s.get("mu_floor")
         slots = self.replica_slots or s.get("slots")
 
         # With a rate known, a queue is the burst rule's (a queue of thousands over slots would buy
