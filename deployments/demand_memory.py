@@ -10,6 +10,7 @@ from typing import Tuple
 
 MEMORY_STARTUPS = 30  # how far back demand is remembered, in start-ups (30 min at 60 s)
 BUCKETS_PER_STARTUP = 6  # resolution of the memory: a 60 s start-up -> 10 s buckets (the traces' bins)
+RAMP_T = 3.0  # a slope this many standard errors above zero is a ramp (~99% one-sided over 7 buckets)
 GROWTH_SPAN_S = 5.0  # arrivals are completions + growth over this span (Serve's look-back for this policy)
 
 
@@ -61,16 +62,25 @@ def queues_outlast(s: dict, now: float, startup: float) -> bool:
 
 
 def trend(s: dict, startup: float) -> float:
-    """A ramp: arrivals that rose in at least 5 of the last 6 buckets (a start-up), by at most
-    their own level, rise as much over the next start-up, when the replicas asked now land. A
-    burst jumps and then wanders: no trend (the backlog rule has it)."""
+    """A ramp: arrivals over the last start-up's buckets that rose in at least 5 of its 6 steps, or
+    whose least-squares slope is RAMP_T standard errors above zero (a slow ramp at a high rate rises
+    about one noise's width a bucket, which the steps' signs miss), by at most their own level,
+    rise as much over the next start-up, when the replicas asked now land. A burst jumps and then
+    wanders: no trend (the backlog rule has it)."""
     rates = [a for _, a, _, _ in s.get("memory", [])[-(BUCKETS_PER_STARTUP + 2):-1]]  # complete buckets
     if len(rates) < BUCKETS_PER_STARTUP + 1:
         return 0.0
     steps = [b - a for a, b in zip(rates, rates[1:])]
-    rise = rates[-1] - rates[0]
+    rises = [rates[-1] - rates[0]] if sum(d > 0 for d in steps) >= BUCKETS_PER_STARTUP - 1 else []
+    n = len(rates)
+    mid, mean = (n - 1) / 2, sum(rates) / n
+    sxx = sum((i - mid) ** 2 for i in range(n))
+    slope = sum((i - mid) * (r - mean) for i, r in enumerate(rates)) / sxx
+    residuals = sum((r - mean - slope * (i - mid)) ** 2 for i, r in enumerate(rates))
+    if slope > 0 and slope * math.sqrt(sxx * (n - 2)) >= RAMP_T * math.sqrt(residuals):
+        rises.append(slope * BUCKETS_PER_STARTUP)
     # More than doubling within a start-up is a jump, not a ramp.
-    return rise if sum(d > 0 for d in steps) >= BUCKETS_PER_STARTUP - 1 and 0 < rise <= rates[0] else 0.0
+    return max((r for r in rises if 0 < r <= rates[0]), default=0.0)
 
 
 def growth(s: dict, now: float, demand: float, queued: float) -> Tuple[float, float]:

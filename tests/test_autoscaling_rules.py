@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from deployments import demand_memory
 from deployments.autoscaling import DOWN_HEADROOM
 from deployments.queueing import burst_capacity
 from tests.test_autoscaling_policy import MU, SLOTS, STARTUP, _steady_fleet, ctx, measured, policy
@@ -54,6 +55,20 @@ def test_the_first_reading_of_mu_starts_from_the_capacity_replicas_report():
 
     assert 2.0 < mu_after([MU, MU]) < 2.4
     assert mu_after(None) == 3.0
+
+
+def test_a_slow_ramp_at_a_high_rate_is_a_ramp_though_half_its_steps_fall():
+    # 10 s buckets rising ~10 req/s each around 1000 req/s, with noise of about that width: half the
+    # steps fall, so "up in 5 of 6" never fired, and on the built-in day the fleet ran at its edge
+    # through each slow climb (a queue of thousands, every request past the SLO). The least-squares
+    # slope is ~6 standard errors above zero: one start-up's rise (6 buckets) is projected.
+    def rise(rates):
+        return demand_memory.trend({"memory": [[10.0 * i, r, 0.0, 1] for i, r in enumerate(rates + [0.0])]}, 60.0)
+
+    assert rise([1000, 1019, 1014, 1041, 1036, 1063, 1058]) == pytest.approx(60.9, abs=0.1)
+    assert rise([1000, 1005, 1010, 1015, 1020, 1025, 1030]) == 30  # a steady rise, as before
+    assert rise([1000, 1010, 1000, 1010, 1000, 1010, 1000]) == 0  # noise
+    assert rise([100, 101, 102, 103, 104, 105, 400]) == 0  # a jump: the backlog rule's
 
 
 def test_burst_capacity_keeps_a_bursts_queue_within_the_slo():
