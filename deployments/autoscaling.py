@@ -141,11 +141,9 @@ class QueueDepthPolicy:
             # read where full replicas measured 15.0, and the fleet ran a fifth short).
             done = demand_memory.smoothed(s, now, median(rates.values()), bucket, "mu_seen")
             s["mu_floor"] = max(s.get("mu_floor") or 0.0, done)
-        # What replicas estimate from their step times and their requests' size (mu until one has
-        # been full, and its prior): a fleet that never fills (smooth traffic) is sized by it, not by
-        # the rate it happened to run at (azure_conv: the floor read 12.2-12.8 req/s where a full
-        # replica does 15.0), nor by the floor, which drains still read high over a bucket (MMPP:
-        # 14.3 where a full replica does 13.0).
+        # What replicas estimate from their step times and their requests' size: mu until one has
+        # been full, and its prior. Not the floor: drains read it high even over a bucket (MMPP: 14.3
+        # req/s where a full replica does 13.0), a fleet that never fills low (azure_conv: 12.2-12.8).
         capacities = [x for x in metrics.get(CAPACITY, {}).values() if x > 0]
         if capacities:
             s["capacity"] = median(capacities)

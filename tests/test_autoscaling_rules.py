@@ -1,6 +1,7 @@
 """QueueDepthPolicy's measured rules: mu read only from replicas settled in full, the capacity a
 burst needed, replicas bought for a backlog only where queues outlast a start-up, the room a fleet
-keeps going down and when a drop counts. Contexts and replicas as in tests/test_autoscaling_policy.py
+keeps going down, when a drop counts, how mu is averaged and what sizes a fleet before it, and
+what a ramp is. Contexts and replicas as in tests/test_autoscaling_policy.py
 (10 slots, 2 req/s full, a 4 s SLO, 30 s start-up: 5 s buckets)."""
 from __future__ import annotations
 
