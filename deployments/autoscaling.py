@@ -25,8 +25,9 @@ measured); the rest is measured from the replicas or derived from those two (doc
               resizes them); a bucket needed the rate that kept its queue within the SLO
               (burst_capacity: a 10 s burst 10/11 of its rate, a held rate all of it). A count of
               replicas is kept while some bucket needed it within the last start-up (rent or buy:
-              keeping an idle replica one start-up costs what re-buying it does; YOUNG_HOLD
-              start-ups while the memory is younger than its span) or, for a count demand keeps
+              keeping an idle replica one start-up costs what re-buying it does; while the memory
+              is younger than its span, YOUNG_HOLD start-ups for a burst shorter than a start-up,
+              which reacting cannot serve) or, for a count demand keeps
               returning to after lulls (under half of it in between), while the silence since its
               last visit is under RECUR_GAPS mean gaps between visits plus a start-up: a lull shorter
               than the recurrence keeps the capacity, a longer silence is a trend and releases it.
@@ -71,10 +72,11 @@ DOWN_HEADROOM = 1.3
 # and met the return with a queue for a start-up; over ten simulated seeds, 3 buckets left one under
 # Serve's default + 5 points, 1 bucket two: docs/autoscaling.md).
 DROP_BUCKETS = BUCKETS_PER_STARTUP // 2
-# Until the memory spans MEMORY_STARTUPS start-ups, a level seen once may be a burst that recurs or one
-# that does not: it is kept this many start-ups, not one (Serve's default keeps every level 600 s, 10
-# at 60 s; at 5 the real-Serve burst test's fleet, 10-15 s start-ups, is back to one in 41-81 s).
-YOUNG_HOLD = 5.0
+# While the memory is young nothing says whether a burst recurs. A burst over before the replicas
+# bought for it land (out of a lull and back within a start-up) is load reacting cannot serve: it is
+# kept this many start-ups (Serve's default keeps every level 600 s, 10 at 60 s; azure_code's bursts
+# recur a median 200 s, upper quartile 490 s apart). Longer load is re-bought like the first time.
+YOUNG_HOLD = 10.0
 FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
 
 # Knob names of the 13-knob version: named in the error so a stale config says what replaced it.
@@ -262,22 +264,26 @@ class QueueDepthPolicy:
         keep = 1.0 - KEEP_TOLERANCE
         capacity = burst_capacity([a for _, a, _, _ in mem], width, self.cfg.slo_s, BUCKETS_PER_STARTUP)
         needs = [(t, self._need(c, d * keep, mu, slots)) for (t, _, d, _), c in zip(mem, capacity)]
-        young = now - s["seed"][0] < demand_memory.MEMORY_STARTUPS * startup  # no history yet: YOUNG_HOLD
-        hold = (YOUNG_HOLD if young else 1.0) * startup
+        young = now - s["seed"][0] < demand_memory.MEMORY_STARTUPS * startup  # no history yet
         for level in range(min(below, max((n for _, n in needs), default=0)), floor, -1):
-            # Visits of the level, and the gaps between them in which demand fell to under half of it
-            # (a lull; a need flickering around the level is one visit, not a recurrence).
-            last, low, gaps = None, math.inf, []
+            # Visits of the level, the gaps between them in which demand fell to under half of it (a
+            # lull; a need flickering around the level is one visit), and when the last visit's load
+            # rose out of a lull (a burst's level is needed only at its end, when its queue would
+            # outlast the SLO).
+            last, low, gaps, rose, began = None, math.inf, [], None, None
             for t, n in needs:
+                rose = None if n < level / 2 else (t if rose is None else rose)
                 if n >= level:
                     if last is not None and low < level / 2:
                         gaps.append(t - last)
-                    last, low = t, math.inf
+                    last, low, began = t, math.inf, rose
                 else:
                     low = min(low, n)
             age = now - last - width  # from the end of its last bucket
-            # Rent or buy: a replica kept idle one start-up costs what re-buying it does.
-            if age <= hold:
+            # Rent or buy: a replica kept idle one start-up costs what re-buying it does; a young
+            # memory's burst, YOUNG_HOLD start-ups (a backlog's drain into a held rate is none).
+            burst = last + width - began < startup and low < level / 2
+            if age <= (YOUNG_HOLD if young and burst else 1.0) * startup:
                 return level
             if gaps and age <= RECUR_GAPS * sum(gaps) / len(gaps) + startup:
                 return level

@@ -14,7 +14,7 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from deployments.app import build_app, llm_deployment_options, load_config
-from deployments.autoscaling import POLICY_PATH, SERVE_POLICY_PATH, QueueDepthPolicy, queue_depth_policy
+from deployments.autoscaling import POLICY_PATH, SERVE_POLICY_PATH, YOUNG_HOLD, QueueDepthPolicy, queue_depth_policy
 from deployments.config import AutoscalingConfig as AppAutoscaling
 
 
@@ -119,6 +119,23 @@ def test_a_lull_after_one_isolated_burst_scales_down_after_a_start_up():
     out, _ = replay(p, measured(p), lambda t: 18.0 if t < 40 else 0.0, 0, 200)
     # 18 req/s need 10 replicas; the last 5 s bucket that needed them ends at t = 40: they stay one
     # start-up (30 s) after it, then go.
+    assert all(out[t] == 10 for t in range(0, 70))
+    assert out[75] < 10 and out[199] == 1
+
+
+def test_a_young_memory_keeps_a_burst_shorter_than_a_start_up_and_rebuys_a_longer_one():
+    # The memory is younger than its span (measured 10 s before): nothing says yet whether a burst
+    # recurs. One over before replicas bought for it land (20 s < the 30 s start-up) can only be met
+    # by replicas kept: its 10 replicas stay YOUNG_HOLD start-ups after its last bucket (ends at 20).
+    p = policy()
+    out, _ = replay(p, measured(p, now=-10.0), lambda t: 18.0 if t < 20 else 0.0, 0, 400)
+    hold = YOUNG_HOLD * STARTUP
+    assert all(out[t] == 10 for t in range(0, int(20 + hold)))
+    assert out[399] == 1
+    # One that held a start-up or longer (40 s) is re-bought like the first time: rent or buy, one
+    # start-up after its last bucket.
+    p = policy()
+    out, _ = replay(p, measured(p, now=-10.0), lambda t: 18.0 if t < 40 else 0.0, 0, 200)
     assert all(out[t] == 10 for t in range(0, 70))
     assert out[75] < 10 and out[199] == 1
 

@@ -1,12 +1,12 @@
 """A real 3-node Ray cluster on this machine (cluster.local) and the autoscaling burst scenario on it
 (cluster.burst) run as subprocesses: the pytest process's own Ray (conftest) is never touched.
 
-Bounds stated here: 1 -> 4 replicas within 60 s of the burst's start (measured 12.7-19.5 s on the
-2-core machine), back to 1 within 90 s of the load dropping, or, where start-ups run slow, within the
-policy's young hold plus two start-ups (each read as the 1 -> 4 time, which includes one): a level
-seen once while the policy's memory is young is held YOUNG_HOLD measured start-ups. Measured 41-81 s
-alone; in one full-suite run on a busy machine 1 -> 4 took 19.5 s and the return passed 90 s. About
-150 s in all.
+Bounds stated here: 1 -> 4 replicas within 60 s of the burst's start (measured 11.6-19.5 s on the
+2-core machine), back to 1 within 60 s of the load dropping, or, where start-ups run slow, within three
+start-ups (each read as the 1 -> 4 time, which includes one): the burst's clients run on 10 s after
+the fleet is full, so it outlasts a start-up and the policy re-buys it like the first time (kept a
+start-up after its last bucket; a burst shorter than a start-up would be kept YOUNG_HOLD of them).
+Measured 21.2 s alone (41-81 s before the policy told the two apart). About 150 s in all.
 """
 from __future__ import annotations
 
@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments.autoscaling import YOUNG_HOLD
-
 ROOT = Path(__file__).resolve().parent.parent
-UP_BOUND_S, DOWN_BOUND_S = 60, 90
+UP_BOUND_S, DOWN_BOUND_S = 60, 60
 
 
 def _free_base_port() -> int:
@@ -80,7 +78,7 @@ def test_burst_scales_up_and_back_without_losing_a_request(local_cluster):
     print({k: v for k, v in result.items() if k != "timeline"})
     timeline = " ".join(f"{t}:{n}" for t, n in result["timeline"])  # whole, where pytest cuts a list
     assert result["seconds_to_max"] is not None and result["seconds_to_max"] <= UP_BOUND_S, timeline
-    down_bound = max(DOWN_BOUND_S, (YOUNG_HOLD + 2) * result["seconds_to_max"])
+    down_bound = max(DOWN_BOUND_S, 3 * result["seconds_to_max"])
     assert result["seconds_to_min"] is not None and result["seconds_to_min"] <= down_bound, timeline
     assert result["nodes_with_replicas"] > 1
     # Every request sent during scale-up and scale-down was answered in full.
