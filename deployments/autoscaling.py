@@ -270,11 +270,11 @@ class QueueDepthPolicy:
             # lull; a need flickering around the level is one visit), and when the last visit's load
             # rose out of a lull (a burst's level is needed only at its end, when its queue would
             # outlast the SLO).
-            last, low, gaps, rose, began = None, math.inf, [], None, None
+            last, low, gaps, rose, began, lull = None, math.inf, [], None, None, level / 2
             for t, n in needs:
-                rose = None if n < level / 2 else (t if rose is None else rose)
+                rose = None if n < lull else (t if rose is None else rose)
                 if n >= level:
-                    if last is not None and low < level / 2:
+                    if last is not None and low < lull:
                         gaps.append(t - last)
                     last, low, began = t, math.inf, rose
                 else:
@@ -282,7 +282,7 @@ class QueueDepthPolicy:
             age = now - last - width  # from the end of its last bucket
             # Rent or buy: a replica kept idle one start-up costs what re-buying it does; a young
             # memory's burst, YOUNG_HOLD start-ups (a backlog's drain into a held rate is none).
-            burst = last + width - began < startup and low < level / 2
+            burst = last + width - began < startup and low < lull
             if age <= (YOUNG_HOLD if young and burst else 1.0) * startup:
                 return level
             if gaps and age <= RECUR_GAPS * sum(gaps) / len(gaps) + startup:
