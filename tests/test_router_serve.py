@@ -16,6 +16,7 @@ from deployments.protocol import PreparedRequest
 pytestmark = pytest.mark.slow
 
 REPLICAS = 4
+BLOCK = 8  # tokens per KV block (sim_config)
 
 
 def sim_config(router_class=None) -> dict:
@@ -23,7 +24,7 @@ def sim_config(router_class=None) -> dict:
     if router_class:
         router["request_router_class"] = router_class
     return {
-        "engine": {"model": "sim:cpu-smollm2", "num_kv_blocks": 256, "block_size": 8, "max_num_seqs": 16},
+        "engine": {"model": "sim:cpu-smollm2", "num_kv_blocks": 256, "block_size": BLOCK, "max_num_seqs": 16},
         "replica": {"num_replicas": REPLICAS},
         "stream": {"interval_ms": 10},
         "router": router,
@@ -40,27 +41,33 @@ def sim_apps(serve_cluster):
 
 
 async def chat_sessions(url: str, users: int, turns: int) -> tuple:
-    """`users` concurrent multi-turn chats sharing one system prompt; returns (prompt, cached) tokens.
-    The history outweighs the system prompt (which any router ends up caching everywhere), so the
-    share measures whether turn n+1 finds turn n."""
+    """`users` concurrent multi-turn chats sharing one system prompt; returns (prompt, cached) tokens
+    and (turns after the first, those whose cached prefix held the whole previous prompt: the turn
+    ran where the last one did). The history outweighs the system prompt (which any router ends up
+    caching everywhere), so the share measures whether turn n+1 finds turn n."""
     system = "You are a helpful assistant of the simulation test suite. " * 4
-    totals = [0, 0]
+    totals, follow_ups = [0, 0], [0, 0]
 
     async def user(client, u):
-        messages = [{"role": "system", "content": system}]
+        messages, previous = [{"role": "system", "content": system}], None
         for t in range(turns):
             messages.append({"role": "user", "content": f"User {u}, turn {t}: " + f"tell me about topic {u}. " * 12})
             r = await client.post(f"{url}/v1/chat/completions",
                                   json={"messages": messages, "max_tokens": 8, "temperature": 0})
             assert r.status_code == 200, r.text
             body = r.json()
-            totals[0] += body["usage"]["prompt_tokens"]
-            totals[1] += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            prompt, cached = body["usage"]["prompt_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            totals[0] += prompt
+            totals[1] += cached
+            if previous is not None:
+                follow_ups[0] += 1
+                follow_ups[1] += cached >= previous // BLOCK * BLOCK
+            previous = prompt
             messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
 
     async with httpx.AsyncClient(timeout=120) as client:
         await asyncio.gather(*(user(client, u) for u in range(users)))
-    return tuple(totals)
+    return tuple(totals), tuple(follow_ups)
 
 
 def test_models_say_the_replicas_are_simulated(sim_apps):
@@ -69,12 +76,14 @@ def test_models_say_the_replicas_are_simulated(sim_apps):
 
 
 def test_shared_prefix_chats_get_more_cached_tokens_than_serves_default(sim_apps):
-    shares = {}
+    shares, found = {}, {}
     for name in ("default", "llm"):
-        prompt, cached = asyncio.run(chat_sessions(sim_apps[name], users=8, turns=4))
-        shares[name] = cached / prompt
-    # Turn n+1 finds turn n's blocks only where turn n ran: 1 in 4 by chance, mostly with LLMRouter.
-    assert shares["llm"] > 1.25 * shares["default"] and shares["llm"] > 0.5, shares
+        (prompt, cached), (turns, hits) = asyncio.run(chat_sessions(sim_apps[name], users=8, turns=4))
+        shares[name], found[name] = cached / prompt, hits / turns
+    # Turn n+1 finds turn n's blocks only where turn n ran: with LLMRouter (nothing queues here) on
+    # every turn; with Serve's default by chance, 1 in 4 on average but more on some runs (one CI run:
+    # 0.51 of the tokens cached against a usual 0.30-0.34), so its share is compared, not a ratio.
+    assert found["llm"] >= 0.9 and shares["llm"] > shares["default"] and shares["llm"] > 0.5, (shares, found)
 
 
 def on_router_loop(router, fn):
