@@ -250,8 +250,9 @@ class QueueDepthPolicy:
 
     def _kept(self, s: dict, now: float, startup: float, below: int, mu, slots) -> int:
         """The highest level (at most `below`) demand will likely need again within a start-up: needed
-        within the last start-up, or a level demand keeps returning to (more than one visit in the
-        memory) while the silence since its last visit is under RECUR_GAPS mean gaps between visits."""
+        within the last start-up (a young memory's burst, within YOUNG_HOLD), or a level demand keeps
+        returning to (more than one visit in the memory) while the silence since its last visit is
+        under RECUR_GAPS mean gaps between visits."""
         floor = 0
         for t, n in (s["seed"], s.get("bought") or (-math.inf, 0)):
             if now - t <= startup:
