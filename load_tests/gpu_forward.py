@@ -30,16 +30,25 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.3)
 
 
-def build_model_dir(config_path: Path, tiny: bool, device: torch.device, out: Path, tokenizer: str) -> Path:
+def build_model_dir(config_path: Path, tiny: bool, device: torch.device, out: Path, tokenizer: str,
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """A random-weight model directory from a HF config (weights cannot be carried to a device),
+    built and saved in `dtype` (bf16: half an 8B model's 32 GB in fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from batcher.model_loader import load_tokenizer
 
     cfg = LlamaConfig(**{**json.loads(config_path.read_text()), **(TINY if tiny else {})})
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(out)
+    del model
     load_tokenizer(tokenizer).save_pretrained(out)
     return out
 

@@ -1,5 +1,5 @@
-"""The device checks (`load_tests.gpu_features`, `load_tests.gpu_serve`) run here up to their CUDA-only
-parts, so a session lent a GPU spends its minutes measuring, not debugging the script: on CPU the
+"""The device checks (`load_tests.gpu_features`, `load_tests.gpu_serve`, `load_tests.calibrate_sim`) run
+here up to their CUDA-only parts, so a session lent a GPU spends its minutes measuring, not debugging the script: on CPU the
 features' every row equals its reference, and the Serve check's config is serve_config.gpu.yaml's
 application with only the documented changes."""
 from __future__ import annotations
@@ -41,3 +41,30 @@ def test_serve_check_deploys_the_gpu_config_with_only_the_documented_changes(tmp
         "replica": {}, "ingress": {"num_replicas": 1}, "stream": {}, "autoscaling": {"max_replicas": 1}, "router": {}}
     assert load_config(cfg).engine.device == "cuda" and build_app(cfg) is not None
     assert app_config(tmp_path / "model", {}, "cpu")["replica"]["num_gpus"] == 0
+
+
+def test_calibration_fits_the_last_sweep_of_a_random_model_and_sets_it_beside_a_preset(tmp_path):
+    """`load_tests.calibrate_sim` as run on an H100 (random weights from a config, two sweeps, a preset
+    compared), here on CPU with a 2-layer model of the 8B config's family."""
+    from batcher.simulated import PRESETS
+    from load_tests import calibrate_sim
+
+    config = json.loads((ROOT / "load_tests/configs/llama-3.1-8b-like.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=49152)
+    (tmp_path / "tiny.json").write_text(json.dumps(config))
+    out = tmp_path / "calibrate.json"
+    args = ["--config", str(tmp_path / "tiny.json"), "--dtype", "bfloat16", "--compile", "off", "--batches", "1,3",
+            "--prompt-lens", "8,40", "--max-tokens", "3", "--max-num-batched-tokens", "32", "--num-kv-blocks", "256"]
+    one_sweep = calibrate_sim.main(args)
+    report = calibrate_sim.main(args + ["--passes", "2", "--preset", "h100-llama3-8b", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["steps"] == one_sweep["steps"] >= 4 * 3  # the last sweep's steps only: 4 runs of 3 tokens or more
+    assert report["step"]["mean_relative_error"] < 1.0 and report["step"]["fixed_s"] > 0
+    compare = report["compare"]
+    assert set(compare["models"]) == {"preset", "measured", "router learns"}
+    assert compare["models"]["preset"] == vars(PRESETS["h100-llama3-8b"].step)
+    for name, (prefill, decode, context) in calibrate_sim.PROBES.items():
+        assert compare["probes_ms"][name]["preset"] == PRESETS["h100-llama3-8b"].step.step_seconds(
+            prefill, decode, context) * 1e3
+    assert all(v > 0 for row in compare["capacity_rps"].values() for k, v in row.items() if k == "preset")
