@@ -79,6 +79,21 @@ PRESETS: Dict[str, SimPreset] = {
         num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
         kv_cache_memory_gib=54.0, mean_answer_tokens=256,
     ),
+    # The same model's shape on one H100 SXM 80GB, as THIS engine runs it (its default CUDA path: Triton
+    # paged attention, compiled forward replayed as CUDA graphs): measured, not derived. Fitted to 244
+    # whole engine steps of a random-weight Llama-3.1-8B-shaped model in bf16 (decode batches of 1-128,
+    # prompts of 128 and 1024 tokens, chunks of up to 2048), mean relative error 6.7%, by
+    # `python -m load_tests.calibrate_sim --device cuda --config load_tests/configs/llama-3.1-8b-like.json
+    # --preset h100-llama3-8b` on 2026-11-27 (docs/routing.md#simulated-replicas). Against the roofline
+    # above: prefill 0.71x per token, a step's fixed cost 1.48x (host work per step), a sequence's KV read
+    # 4.3x per context token (the Triton kernel is far from the HBM roofline). KV memory as above.
+    "h100-llama3-8b-measured": SimPreset(
+        name="h100-llama3-8b-measured",
+        description="Llama-3.1-8B-shaped bf16 on one H100 SXM, this engine's measured steps (random weights)",
+        step=StepTimeModel(fixed_s=8.88e-3, prefill_token_s=22.7e-6, decode_seq_s=8.37e-6, context_token_s=168e-9),
+        num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
+        kv_cache_memory_gib=54.0, mean_answer_tokens=256,
+    ),
     # Llama-3.1-70B-Instruct, bf16, one node of 8 H100 SXM 80GB with tensor parallelism 8, vLLM-like
     # engine: prefill is costly (2.2x the 8B's per token, on 8 GPUs). Roofline from published figures:
     # - NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3 and 989 TFLOP/s dense BF16 per GPU (x8: 26.8 TB/s).
