@@ -74,21 +74,25 @@ def record_steps(engine: LLMEngine, batches: Sequence[int], prompt_lens: Sequenc
     return samples
 
 
+def design(samples: List[Sample], column: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each step's terms (1, prefill tokens, decoding sequences, context tokens), and its time in
+    `column` (3: the forward, 4: the whole step)."""
+    x = torch.tensor([[1.0, s[0], s[1], s[2]] for s in samples], dtype=torch.float64)
+    return x, torch.tensor([s[column] for s in samples], dtype=torch.float64)
+
+
 def fit(samples: List[Sample], column: int = 3) -> Tuple[List[float], float]:
     """Coefficients (fixed, prefill, decode, context) minimising the squared relative error of the
-    time in `column` (3: the forward, 4: the whole step), so short decode steps weigh as much as long
-    prefills, and the mean relative error."""
-    x = torch.tensor([[1.0, s[0], s[1], s[2]] for s in samples], dtype=torch.float64)
-    y = torch.tensor([s[column] for s in samples], dtype=torch.float64)
+    time in `column`, so short decode steps weigh as much as long prefills, and the mean relative error."""
+    x, y = design(samples, column)
     coef = torch.linalg.lstsq(x / y.unsqueeze(1), torch.ones_like(y).unsqueeze(1)).solution.squeeze(1)
     error = ((x @ coef - y).abs() / y).mean().item()
     return coef.tolist(), error
 
 
 def router_fit(samples: List[Sample]) -> dict:
-    """The steps as the normal equations a replica reports (`StepMeter.fit`), one step per sample."""
-    x = torch.tensor([[1.0, s[0], s[1], s[2]] for s in samples], dtype=torch.float64)
-    y = torch.tensor([s[4] for s in samples], dtype=torch.float64)
+    """The whole steps as the normal equations a replica reports (`StepMeter.fit`), one step a sample."""
+    x, y = design(samples, 4)
     return {"steps": float(len(samples)), "xtx": (x.T @ x).tolist(), "xty": (x.T @ y).tolist()}
 
 
