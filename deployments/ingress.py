@@ -203,7 +203,7 @@ class OpenAIIngress:
             raise
         except Exception as e:
             raise self._api_error(e) from None
-        log.first_token(first.replica_ttft_s)
+        log.first_token(first.replica_ttft_s, first.replica_sent_at)
         return StreamingResponse(self._relay(request, gen, first, events, log), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", REPLICA_HEADER: first.replica_id,
                                           TIMING_HEADER: log.server_timing()})

@@ -92,7 +92,7 @@ class LLMServer:
                 for chunk in self._chunks(batch):
                     timer.saw(len(chunk.token_ids))
                     if not generated:
-                        chunk.replica_ttft_s = timer.ttft_s
+                        chunk.replica_ttft_s, chunk.replica_sent_at = timer.ttft_s, time.time()
                     reason, generated[chunk.index] = chunk.finish_reason or reason, chunk.completion_tokens
                     yield chunk
         except _ENGINE_ERRORS as e:

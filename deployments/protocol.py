@@ -149,6 +149,10 @@ class GenerateChunk(_GenerateOutput):
     """New tokens of choice `index` since its previous chunk; finish_reason is set on its last chunk
     (with n > 1 the choices' chunks interleave, and the stream ends after every choice's last)."""
 
+    # Wall-clock time (time.time()) the LLM replica sent a stream's first chunk: the ingress times
+    # the chunk's way back with it (HTTP: the Server-Timing header's from-replica).
+    replica_sent_at: Optional[float] = None
+
 
 class GenerateResponse(_GenerateOutput):
     """A whole, non-streamed answer. Its own text, token_ids, finish_reason and logprobs are choice

@@ -30,19 +30,24 @@ class RequestLogEntry:
     prepare_s: Optional[float] = None  # until the prompt was templated, tokenized and checked
     ttft_s: Optional[float] = None  # streams only: until the first chunk left the ingress
     replica_ttft_s: Optional[float] = None  # the LLM replica's own, receipt to first token
+    from_replica_s: Optional[float] = None  # streams only: the first chunk's way from the replica (wall clocks)
     written: bool = False
 
     def prepared(self) -> None:
         self.prepare_s = time.perf_counter() - self.start
 
-    def first_token(self, replica_ttft_s: Optional[float]) -> None:
+    def first_token(self, replica_ttft_s: Optional[float], replica_sent_at: Optional[float] = None) -> None:
         self.ttft_s, self.replica_ttft_s = time.perf_counter() - self.start, replica_ttft_s
+        if replica_sent_at is not None:  # two processes' wall clocks: one machine's, or a cluster's synced ones
+            self.from_replica_s = time.time() - replica_sent_at
 
     def server_timing(self) -> str:
         """The Server-Timing header (ms): where a request's first token went. `prepare` (template,
         tokens, limits), `replica-ttft` (the LLM replica's queue and prefill), `ttft` (the ingress's
-        whole, streams only): ttft - prepare - replica-ttft is routing and Serve's hops."""
-        parts = [("prepare", self.prepare_s), ("replica-ttft", self.replica_ttft_s), ("ttft", self.ttft_s)]
+        whole, streams only): ttft - prepare - replica-ttft is routing and Serve's hops, of which
+        `from-replica` (streams) is the first chunk's way back and the rest the request's way there."""
+        parts = [("prepare", self.prepare_s), ("replica-ttft", self.replica_ttft_s), ("ttft", self.ttft_s),
+                 ("from-replica", self.from_replica_s)]
         return ", ".join(f"{name};dur={s * 1000:.1f}" for name, s in parts if s is not None)
 
     def write(self, status_code: int, out: "GenerateChunk | GenerateResponse | None" = None,
@@ -61,7 +66,7 @@ class RequestLogEntry:
             "cached_tokens": out.cached_tokens if out else None,
             "ttft_s": _round(self.ttft_s), "e2e_s": _round(time.perf_counter() - self.start),
             "prepare_s": _round(self.prepare_s),
-            "replica_ttft_s": _round(self.replica_ttft_s),
+            "replica_ttft_s": _round(self.replica_ttft_s), "from_replica_s": _round(self.from_replica_s),
             "replica_id": out.replica_id if out else None,
         }
         logger.info(json.dumps(line, separators=(",", ":")))

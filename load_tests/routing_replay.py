@@ -181,8 +181,9 @@ def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
     request has no replica (it failed). With the client's records (request order, None where one
     failed), also what each request spent outside the modelled engine (client TTFT less modelled),
     and its parts from the ingress's Server-Timing header: the replica's own TTFT against the model's,
-    the ingress's prepare, routing and Serve's hops (its ttft less prepare and replica-ttft), the
-    proxy and HTTP (the client's TTFT less the ingress's)."""
+    the ingress's prepare, routing and Serve's hops (its ttft less prepare and replica-ttft: the
+    request's way to the replica, the decision included, and the first chunk's way back,
+    from-replica), the proxy and HTTP (the client's TTFT less the ingress's)."""
     if not all(replica_of):
         return {}
     r = replay(prompts, max_tokens, arrivals, assigned(replica_of), step, shape, replicas)
@@ -191,11 +192,13 @@ def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
         return out
     client = np.array([x.ttft_s if x and x.ttft_s is not None else math.nan for x in records], dtype=float)
     timing = np.array([server_timing(x.headers.get(TIMING_HEADER) if x else None) for x in records], dtype=float)
-    prepare, replica_ttft, ingress_ttft = (timing[:, i] / 1000 for i in range(3))
+    prepare, replica_ttft, ingress_ttft, from_replica = (timing[:, i] / 1000 for i in range(4))
     modelled = np.array(r.ttft_s)
     parts = {"outside_engine": client - modelled, "replica_ttft": replica_ttft,
              "replica_over_model": replica_ttft - modelled, "prepare": prepare,
-             "routing_and_hops": ingress_ttft - prepare - replica_ttft, "proxy_and_http": client - ingress_ttft}
+             "routing_and_hops": ingress_ttft - prepare - replica_ttft,
+             "to_replica": ingress_ttft - prepare - replica_ttft - from_replica, "from_replica": from_replica,
+             "proxy_and_http": client - ingress_ttft}
     for name, seconds in parts.items():
         if not np.isnan(seconds).all():
             out.update({f"{name}_ms_p50": float(np.nanpercentile(seconds, 50) * 1000),
@@ -205,7 +208,8 @@ def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
 
 # The parts of a request's TTFT the ingress's Server-Timing header tells (decisions_ttfts' keys).
 TTFT_PARTS = (("replica TTFT", "replica_ttft"), ("replica - replayed", "replica_over_model"), ("prepare", "prepare"),
-              ("routing and hops", "routing_and_hops"), ("proxy and HTTP", "proxy_and_http"))
+              ("routing and hops", "routing_and_hops"), ("of it to the replica", "to_replica"),
+              ("and back", "from_replica"), ("proxy and HTTP", "proxy_and_http"))
 
 
 def ttft_parts_line(m: dict) -> str:
@@ -214,13 +218,13 @@ def ttft_parts_line(m: dict) -> str:
 
 
 def server_timing(header: Optional[str]) -> tuple:
-    """(prepare, replica-ttft, ttft) in ms from a Server-Timing header; NaN for what it lacks."""
+    """(prepare, replica-ttft, ttft, from-replica) in ms from a Server-Timing header; NaN for what it lacks."""
     found = {}
     for part in (header or "").split(","):
         name, _, dur = part.strip().partition(";dur=")
         if dur:
             found[name] = float(dur)
-    return tuple(found.get(name, math.nan) for name in ("prepare", "replica-ttft", "ttft"))
+    return tuple(found.get(name, math.nan) for name in ("prepare", "replica-ttft", "ttft", "from-replica"))
 
 
 def exact_loads_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],

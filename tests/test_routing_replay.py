@@ -87,13 +87,15 @@ def test_the_server_timing_header_splits_what_a_request_spent_outside_the_model(
     prompts = [list(range(i * 100, i * 100 + 50)) for i in range(4)]
     modelled = replay(prompts, [2] * 4, [0.0, 1.0, 2.0, 3.0], assigned(["a"] * 4), STEP, SHAPE, 1).ttft_s
     # Each: the client's TTFT 40 ms over the modelled one; the replica saw 10 ms more than the model,
-    # the ingress spent 2 ms preparing and 8 in routing and hops, HTTP the remaining 20.
+    # the ingress spent 2 ms preparing and 8 in routing and hops (5 on the way there, 3 back), HTTP the
+    # remaining 20.
     records = [BenchRecord(index=i, start_s=float(i), status=200, ttft_s=m + 0.040, headers={
-        TIMING_HEADER: f"prepare;dur=2.0, replica-ttft;dur={(m + 0.010) * 1000:.3f}, ttft;dur={(m + 0.020) * 1000:.3f}"})
-        for i, m in enumerate(modelled)]
+        TIMING_HEADER: f"prepare;dur=2.0, replica-ttft;dur={(m + 0.010) * 1000:.3f}, ttft;dur={(m + 0.020) * 1000:.3f}, "
+                       "from-replica;dur=3.0"}) for i, m in enumerate(modelled)]
     records[3] = None  # a failed request counts in none of the parts
     out = decisions_ttfts(prompts, [2] * 4, [0.0, 1.0, 2.0, 3.0], ["a"] * 4, STEP, SHAPE, 1, records)
-    expected = {"outside_engine": 40, "replica_over_model": 10, "prepare": 2, "routing_and_hops": 8, "proxy_and_http": 20}
+    expected = {"outside_engine": 40, "replica_over_model": 10, "prepare": 2, "routing_and_hops": 8, "to_replica": 5,
+                "from_replica": 3, "proxy_and_http": 20}
     for part, ms in expected.items():
         assert out[f"{part}_ms_p50"] == pytest.approx(ms, abs=0.01) and out[f"{part}_ms_p90"] == pytest.approx(ms, abs=0.01)
     row = {"requests": 4, "failed": 1, "cached_share": 0.0, "ttft_ms_p50": 1.0, "ttft_ms_p90": 1.0, "ttft_ms_p99": 1.0,
@@ -101,4 +103,5 @@ def test_the_server_timing_header_splits_what_a_request_spent_outside_the_model(
            "exact_loads_ttft_ms_p90": 1.0}
     report({1: {"shared": {"llm-router": {**row, **out}}}}, "h100-llama3-8b")
     assert ("replica - replayed p50 10 / p90 10, prepare p50 2 / p90 2, routing and hops p50 8 / p90 8, "
-            "proxy and HTTP p50 20 / p90 20 ms") in capsys.readouterr().out
+            "of it to the replica p50 5 / p90 5, and back p50 3 / p90 3, proxy and HTTP p50 20 / p90 20 ms"
+            ) in capsys.readouterr().out

@@ -176,13 +176,16 @@ def test_one_log_line_per_request_without_text(obs):
         # Server-Timing (ms) tells the same clocks: the replica's TTFT and the prompt's preparing sit
         # within the ingress's TTFT (streams; whole answers have no ttft part).
         timing = {k: float(v) for k, _, v in (p.strip().partition(";dur=") for p in obs["timing"][rid].split(","))}
-        assert set(timing) == ({"prepare", "replica-ttft", "ttft"} if stream else {"prepare", "replica-ttft"})
+        assert set(timing) == ({"prepare", "replica-ttft", "ttft", "from-replica"} if stream else {"prepare", "replica-ttft"})
         assert timing["prepare"] == pytest.approx(line["prepare_s"] * 1000, abs=0.1) and timing["prepare"] > 0
         assert timing["replica-ttft"] == pytest.approx(line["replica_ttft_s"] * 1000, abs=0.1)
         assert 0 < line["replica_ttft_s"] < line["e2e_s"]
         if stream:
             assert timing["ttft"] == pytest.approx(line["ttft_s"] * 1000, abs=0.1)
             assert timing["prepare"] + timing["replica-ttft"] < timing["ttft"]
+            # The first chunk's way back from the replica is part of the routing and hops.
+            assert 0 <= timing["from-replica"] < timing["ttft"] - timing["prepare"] - timing["replica-ttft"]
+            assert timing["from-replica"] == pytest.approx(line["from_replica_s"] * 1000, abs=0.1)
     failed = sorted((line["status_code"], line["error_type"]) for line in lines if line["request_id"] not in
                     {o[0] for o in ok})
     # unknown model, n=0, too long
