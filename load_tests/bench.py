@@ -61,6 +61,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--prefix-len", type=int, default=256, help="chats: system prompt words")
     g.add_argument("--turns", type=int, default=3, help="chats: turns per session")
     g.add_argument("--user-len", type=int, default=32, help="chats: words per user turn")
+    g.add_argument("--think-s", type=float, default=0.0,
+                   help="chats: mean seconds a user thinks before each later turn (exponential; 0: at once)")
     g.add_argument("--dataset", help="jsonl: path of the file")
     g = p.add_argument_group("trace (sent at the trace's times, not --request-rate)")
     g.add_argument("--trace", help="a CSV or JSONL request trace, or a bundled one by name (load_tests/traces/)")
@@ -178,14 +180,16 @@ def target_from_args(args) -> Target:
 async def sweep(target: Target, requests: Sequence[BenchRequest], rates: Sequence[float], *, burstiness: float = 1.0,
                 seed: int = 0, max_concurrency: Optional[int] = None, duration_s: Optional[float] = None,
                 timeout_s: float = 600.0, slos=None, percentiles=(50, 90, 99), warmup: int = 0,
-                progress: bool = True, label: str = "", keep_records: bool = True, echo: bool = True) -> List[dict]:
+                progress: bool = True, label: str = "", keep_records: bool = True, echo: bool = True,
+                think_s: float = 0.0) -> List[dict]:
     """One run per rate, the same requests each time; returns rows {label, rate, summary, records}."""
     if warmup:  # together, so the server also sees a batch before the first measured run
         await run_load(target, [requests[i % len(requests)] for i in range(warmup)], timeout_s=timeout_s)
     rows = []
     for rate in rates:
         arrivals = arrival_offsets(len(requests), rate, burstiness, seed)
-        result = await run_load(target, requests, arrivals, max_concurrency, duration_s, timeout_s, progress)
+        result = await run_load(target, requests, arrivals, max_concurrency, duration_s, timeout_s, progress,
+                                think_s=think_s, seed=seed)
         summary = summarize(result.records, result.duration_s, slos, percentiles)
         row = {"label": label or target.root, "rate": rate, "burstiness": burstiness, "summary": summary}
         if keep_records:
@@ -229,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         rows = [asyncio.run(replay(target, trace, requests, **bounds))]
     else:
         rows = asyncio.run(sweep(target, build_workload(args), parse_rates(args.request_rate),
-                                 burstiness=args.burstiness, seed=args.seed, **bounds))
+                                 burstiness=args.burstiness, seed=args.seed, think_s=args.think_s, **bounds))
     if len(rows) > 1:
         print("\n" + format_sweep(rows))
     result = {"benchmark": "bench", "date": datetime.datetime.now().isoformat(timespec="seconds"),

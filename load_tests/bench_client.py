@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -190,13 +191,24 @@ async def send_one(client, target: Target, model: str, payload, max_tokens: int,
     return "".join(text)
 
 
+def think_times(think_s: float, seed: int, index: int, turns: int) -> List[float]:
+    """Seconds chat `index`'s user thinks before each of its turns (0 before the first): exponential,
+    mean `think_s`, seeded per chat, so every router of a benchmark meets the same users."""
+    rng = random.Random(f"think:{seed}:{index}")
+    return [0.0] + [rng.expovariate(1.0 / think_s) if think_s > 0 else 0.0 for _ in range(turns - 1)]
+
+
 async def _session(client, target: Target, model: str, index: int, req: BenchRequest,
-                   timeout_s: float, t_run0: float, records: List[BenchRecord], on_done) -> None:
-    """All turns of one BenchRequest, in order; a failed turn ends the chat."""
+                   timeout_s: float, t_run0: float, records: List[BenchRecord], on_done,
+                   think: Sequence[float] = ()) -> None:
+    """All turns of one BenchRequest, in order, each `think[turn]` seconds after the last answer;
+    a failed turn ends the chat."""
     history = list(req.messages or ([{"role": "user", "content": req.prompt}] if isinstance(req.prompt, str) else []))
     for turn in range(req.num_turns):
         if turn:
             history.append({"role": "user", "content": req.followups[turn - 1]})
+            if turn < len(think) and think[turn] > 0:
+                await asyncio.sleep(think[turn])
         record = BenchRecord(index=index, turn=turn, start_s=time.perf_counter() - t_run0)
         records.append(record)
         payload = history if target.api == "chat" else req.prompt
@@ -226,10 +238,13 @@ async def resolve_model(client, target: Target) -> str:
 
 async def run_load(target: Target, requests: Sequence[BenchRequest], arrivals: Optional[Sequence[float]] = None,
                    max_concurrency: Optional[int] = None, duration_s: Optional[float] = None,
-                   timeout_s: float = 600.0, progress: bool = False, client=None) -> LoadResult:
+                   timeout_s: float = 600.0, progress: bool = False, client=None, think_s: float = 0.0,
+                   seed: int = 0) -> LoadResult:
     """Sends `requests` (request i at `arrivals[i]` seconds from the start; None: all at once), at most
     `max_concurrency` in flight (chats hold their slot for all their turns), none started after
-    `duration_s`; each request gets `timeout_s`. Returns every sent request's record, in send order."""
+    `duration_s`; each request gets `timeout_s`. A chat's user thinks a while before each later turn
+    (`think_s`: the mean, exponential, seeded by `seed`; 0: sent as the last answer ends). Returns
+    every sent request's record, in send order."""
     import httpx
 
     if arrivals is not None and len(arrivals) < len(requests):
@@ -248,10 +263,11 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], arrivals: O
         records: List[BenchRecord] = []
 
         async def one(i: int, req: BenchRequest) -> None:
+            think = think_times(think_s, seed, i, req.num_turns)
             if gate is None:
-                return await _session(client, target, model, i, req, timeout_s, t0, records, bar.update)
+                return await _session(client, target, model, i, req, timeout_s, t0, records, bar.update, think)
             async with gate:
-                await _session(client, target, model, i, req, timeout_s, t0, records, bar.update)
+                await _session(client, target, model, i, req, timeout_s, t0, records, bar.update, think)
 
         t0 = time.perf_counter()
         tasks = []

@@ -14,7 +14,7 @@ import pytest
 from cluster.request_traces import bundled, load_request_trace
 from load_tests import bench
 from load_tests.arrivals import arrival_offsets, gaps
-from load_tests.bench_client import BenchRequest, Target, run_load
+from load_tests.bench_client import BenchRequest, Target, run_load, think_times
 from load_tests.bench_metrics import percentile, summarize
 from load_tests.bench_workloads import shared_prefix_chats, variance_requests
 
@@ -178,6 +178,20 @@ def test_multi_turn_chats_carry_the_answer_into_the_next_turn(tiny_app):
         first, second = by[(i, 0)], by[(i, 1)]
         assert second.start_s >= first.start_s + first.e2e_s  # turn 2 waits for turn 1's answer
         assert second.prompt_tokens > first.prompt_tokens + 5  # ...and holds it and the new user turn
+
+
+def test_chat_users_think_between_turns(tiny_app):
+    assert think_times(0.0, 0, 1, 3) == [0.0, 0.0, 0.0]
+    thinks = [think_times(0.3, 7, i, 2) for i in range(3)]
+    assert thinks == [think_times(0.3, 7, i, 2) for i in range(3)]  # seeded: every router meets the same users
+    assert len({t[1] for t in thinks}) == 3 and all(t[0] == 0.0 and t[1] > 0 for t in thinks)
+    chats = shared_prefix_chats(3, num_prefixes=1, prefix_len=40, turns=2, user_len=6, max_tokens=5)
+    res = asyncio.run(run_load(Target(tiny_app), chats, think_s=0.3, seed=7))
+    assert len(res.records) == 6 and all(r.ok for r in res.records)
+    by = {(r.index, r.turn): r for r in res.records}
+    for i in range(3):
+        first, second = by[(i, 0)], by[(i, 1)]
+        assert second.start_s >= first.start_s + first.e2e_s + thinks[i][1] - 0.01  # the event loop's clock
 
 
 # ---- trace replay -------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""The routing benchmark's trace workload: the infinite-cache yardstick and how busy a trace keeps a
-fleet (plain data, no Ray)."""
+"""The routing benchmark's workloads: the trace's infinite-cache yardstick, how busy a trace keeps a
+fleet, when chat users arrive (plain data, no Ray)."""
 import pytest
 
-from load_tests.routing import prefill_load
+from load_tests.routing import prefill_load, targets
+from load_tests.routing_chats import chat_starts
 from load_tests.routing_trace import infinite_cache_share, trace_workload
 
 
@@ -41,3 +42,21 @@ def test_the_trace_workload_spreads_a_ticks_requests_unless_asked_to_send_them_a
                                        block_size=8, at_ticks=True).arrivals)
     assert len(np.unique(together)) <= 41 < len(together)  # 120 s of 3 s ticks, all of a tick's at once
     assert len(np.unique(spread)) == len(spread)
+
+
+def test_chat_users_who_think_arrive_spread_and_a_closed_loop_sends_everyone_at_once():
+    assert chat_starts(16, 0.0, seed=0) is None  # run_load sends every session at t=0
+    starts = chat_starts(16, 3.0, seed=0)
+    assert starts == sorted(starts) == chat_starts(16, 3.0, seed=0)  # in order, seeded: each router meets the same
+    assert 0.0 <= starts[0] and starts[-1] <= 3.0 and len(set(starts)) == 16
+    assert starts[-1] - starts[0] > 1.5  # spread over the think time, not a crowd
+
+
+def test_balance_is_a_target_only_where_each_replica_has_requests_in_flight():
+    def run(per_replica):
+        return {"failed": 0, "cached_share": 0.9, "ttft_ms_p90": 50.0, "inflight_max_over_mean": 2.8,
+                "inflight_per_replica": per_replica}
+    loaded = dict(targets("skew", {"llm-router": run(4.0), "serve-default": run(4.0)}))
+    assert loaded["max/mean in-flight <= 1.5"] is False
+    light = dict(targets("skew", {"llm-router": run(0.3), "serve-default": run(0.3)}))
+    assert "max/mean in-flight <= 1.5" not in light and light["nothing failed"]
