@@ -41,6 +41,11 @@ class LLMRouterConfig(BaseModel):
         "copy into a slot): a request naming an adapter goes to a replica that lacks it only when that "
         "replica's expected seconds plus this beat every holder's (a hot adapter spreads). Among replicas "
         "that lack it, one holding many adapters costs up to half of this more (an eviction).")
+    share_index_s: float = Field(
+        0.25, ge=0.0, description="Every this many seconds, this router shares the prefixes it learned are "
+        "cached (its requests and their answers) with the deployment's other routers (each ingress replica "
+        "and Python handle caller routes with its own) and takes theirs, through one actor, off the "
+        "decision's path; a router alone pushes nothing (0: off).")
     default_output_tokens: int = Field(
         128, ge=1, description="Expected answer length until answers have been seen (capped by max_tokens).")
     max_tracked_requests: int = Field(

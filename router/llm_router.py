@@ -29,6 +29,7 @@ from batcher.simulated import PRESETS
 from router.config import LLMRouterConfig
 from router.cost_model import FleetStepTimes, coefficients, learned_step
 from router.index import PrefixIndex
+from router.index_exchange import IndexSync
 from router.ledger import HashedRequest, RequestLedger
 from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, RoutingRequest, adapter_costs, fleet_loads,
                             load_row, own_load, prefill_rate, replica_load, score_replicas, stale_rows)
@@ -52,11 +53,16 @@ class LLMRouter(RequestRouter):
         self._rows: Dict[str, tuple] = {}  # replica -> (stats dict, ledger version, row, step coefficients)
         self._mean_output_tokens: Optional[float] = None
         self._fleet_peaks: Deque[Tuple[float, float]] = deque()  # (time, fleet sequences), decreasing
+        self._alive: set = set()  # the replicas Serve last gave this router
         self._lora_ids: Dict[str, str] = {}  # LoRA adapter -> the cache id replicas report for it
         self._adapter_sent: Dict[str, Dict[str, float]] = {}  # adapter -> replica -> last sent there
         # The loop Serve routes on (seen by choose_replicas): answers reported from other threads are
         # applied there. Serve's own reference (RequestRouter._event_loop) is private.
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        # What this router learns of the caches, shared with the deployment's other routers (ingress
+        # replicas, handle callers: each routes with its own) and theirs taken (router.index_exchange).
+        deployment = getattr(self, "_deployment_id", None)
+        self.sync = IndexSync(cfg.share_index_s, f"{getattr(deployment, 'app_name', '')}/{getattr(deployment, 'name', '')}")
 
     # ---- the decision ------------------------------------------------------------------------------
 
@@ -71,6 +77,7 @@ class LLMRouter(RequestRouter):
             # replica must reach the busy ones too, so any replica at random.
             return [[r] for r in random.sample(candidate_replicas, len(candidate_replicas))]
         self._loop = asyncio.get_running_loop()
+        self.sync.start(self._learned_elsewhere)
         key = pending_request.metadata.internal_request_id
         # Serve asks again for the same request (backoff, a rejection): hashed once, counted once.
         request = self.ledger.take_back(key) or self.prepare(
@@ -222,6 +229,8 @@ class LLMRouter(RequestRouter):
         if request is not None and self.ledger.replica_of(key) not in (None, rid):
             cached = self._cached_tokens(request, self.index.matched_blocks(request.hashes).get(rid, 0))
         self.ledger.routed(key, rid, cached, time.time())
+        if request is not None:
+            self.sync.learned(rid, request.hashes)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """No longer in flight; but the replica's latest report may still count it (it was taken
@@ -253,12 +262,23 @@ class LLMRouter(RequestRouter):
         self._mean_output_tokens = n if m is None else 0.95 * m + 0.05 * n
         # The engine's chain over prompt + answer, continued from the prompt's hashes.
         tokens = list(prompt_token_ids) + list(output_token_ids)
-        self.index.insert(rid, cacheable_block_hashes(tokens, self.shape.block_size, request.root,
-                                                      known=request.hashes))
+        hashes = cacheable_block_hashes(tokens, self.shape.block_size, request.root, known=request.hashes)
+        self.index.insert(rid, hashes)
+        self.sync.learned(rid, hashes)
+
+    def _learned_elsewhere(self, rid: str, hashes: List[bytes]) -> None:
+        """Another router of this deployment learned that `rid` caches the chain `hashes`."""
+        if rid in self._alive:
+            self.index.insert(rid, hashes)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        alive = {r.replica_id.unique_id for r in replicas}
+        try:  # Serve tells a router its replicas on the loop it routes on: exchange from then on
+            asyncio.get_running_loop()
+            self.sync.start(self._learned_elsewhere)
+        except RuntimeError:
+            pass
+        alive = self._alive = {r.replica_id.unique_id for r in replicas}
         for rid in (self.ledger.replicas() | set(self.index.replicas()) | set(self._reports)) - alive:
             self._drop(rid)
 
@@ -268,6 +288,7 @@ class LLMRouter(RequestRouter):
 
     def _drop(self, rid: str) -> None:
         """Replica `rid` is gone: its requests, completions, awaited answers, blocks and report."""
+        self._alive.discard(rid)
         self.ledger.drop_replica(rid)
         self.index.remove_replicas([rid])
         self._reports.pop(rid, None)

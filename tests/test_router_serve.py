@@ -7,6 +7,7 @@ import concurrent.futures
 
 import httpx
 import pytest
+import ray
 
 from batcher.block_hash import cacheable_block_hashes, root_hash
 from batcher.sampling_params import SamplingParams
@@ -185,3 +186,49 @@ def test_the_router_learns_the_replicas_step_times_from_their_reports(sim_apps):
         learned = learned_step(h100, fit, prior_steps=1)
         for step in ((512, 0, 0), (128, 2, 1000)):
             assert learned.step_seconds(*step) == pytest.approx(cpu.step_seconds(*step), rel=0.35), (step, fit)
+
+
+@ray.remote(num_cpus=0)
+class OtherCaller:
+    """A Python handle caller in a process of its own, so its LLMRouter is another one (as a second
+    ingress replica's is)."""
+
+    def __init__(self, app: str):
+        from ray import serve
+
+        self.handle = serve.get_deployment_handle("LLMServer", app)
+
+    async def generate(self, request: PreparedRequest):
+        return await self.handle.generate.remote(request)
+
+
+def test_a_chat_whose_turns_alternate_between_two_routers_stays_on_its_replica(sim_apps):
+    """Each conversation's turns go through this process's handle and another process's in turn, two
+    LLMRouters: turn n+1 still goes where turn n ran, because the routers share what they learn
+    (router.index_exchange: within two 0.25 s periods, so the user reads a second between turns).
+    Without it the other router has never seen the conversation: it lands there by chance, 1 in 4."""
+    from ray import serve
+
+    handle, other = serve.get_deployment_handle("LLMServer", "simllm"), OtherCaller.remote("simllm")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    async def chat(u: int) -> list:
+        ids, replicas = [3000 + 100 * u + i % 100 for i in range(240)], []  # a prompt of its own
+        for t in range(6):
+            request = PreparedRequest(f"alt-{u}-{t}", ids, params)
+            out = await (handle.generate.remote(request) if t % 2 == 0 else other.generate.remote(request))
+            replicas.append(out.replica_id)
+            ids = ids + out.token_ids + [9000 + 10 * u + t] * 40
+            await asyncio.sleep(1.0)
+        return replicas
+
+    async def chats():
+        # Each caller's router is made with its first request: made before the chats, it has
+        # exchanged by the time they start.
+        warm = [PreparedRequest(f"alt-warm-{i}", [5], SamplingParams(max_tokens=1)) for i in range(2)]
+        await asyncio.gather(handle.generate.remote(warm[0]), other.generate.remote(warm[1]))
+        await asyncio.sleep(1.0)
+        return await asyncio.gather(*(chat(u) for u in range(4)))
+
+    followed = [a == b for replicas in asyncio.run(chats()) for a, b in zip(replicas, replicas[1:])]
+    assert sum(followed) >= 0.9 * len(followed), followed
