@@ -30,8 +30,10 @@ def make_router(**kwargs):
 
     router = LLMRouter(deployment_id=DeploymentID(name="LLMServer", app_name="test"),
                        handle_source=DeploymentHandleSource.UNKNOWN)
+    # share_index_s 0: these routers never exchange with a cluster's, even where a test session has
+    # one running (tests/test_index_exchange.py starts theirs on an in-process exchange).
     router.initialize_state(**{"model": MODEL, "block_size": BS, "max_num_batched_tokens": 2048,
-                               "max_num_seqs": 64, "cost_model": "h100-llama3-8b", **kwargs})
+                               "max_num_seqs": 64, "cost_model": "h100-llama3-8b", "share_index_s": 0, **kwargs})
     return router
 
 

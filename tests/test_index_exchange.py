@@ -53,7 +53,7 @@ def test_two_routers_exchanging_route_a_turn_where_the_other_sent_the_last_one(s
     async def call(router, cursor, entries):
         return shared.exchange(router, cursor, entries)
 
-    a, b = make_router(share_index_s=0.01), make_router(share_index_s=0.01)
+    a, b = make_router(), make_router()  # sharing off: serving() starts no exchange with a cluster
     serve_a, serve_b = serving(a, [replica(n, now) for n in "wxyz"]), serving(b, [replica(n, now) for n in "wxyz"])
     for router, serve in ((b, serve_b), (a, serve_a)):
         serve.run(_start(router, call))
@@ -73,12 +73,13 @@ def test_two_routers_exchanging_route_a_turn_where_the_other_sent_the_last_one(s
 
 
 async def _start(router, call):
+    router.sync.period_s = 0.01
     router.sync.start(router._learned_elsewhere, call)
 
 
-def test_without_a_cluster_or_with_sharing_off_a_router_keeps_nothing_to_share(serving):
-    now = time.time()
-    for router in (make_router(), make_router(share_index_s=0)):
-        serve = serving(router, [replica(n, now) for n in "ab"])
-        serve.route(request(SYSTEM, "t1"), "k1")
-        assert router.sync._outbox == []  # no exchange runs: nothing accumulates
+def test_with_sharing_off_a_router_keeps_nothing_to_share(serving):
+    router, now = make_router(share_index_s=0), time.time()
+    serve = serving(router, [replica(n, now) for n in "ab"])
+    serve.route(request(SYSTEM, "t1"), "k1")
+    router.record_answer("t1", SYSTEM, [1, 2, 3])
+    assert router.sync._outbox == [] and router.sync._task is None  # no exchange: nothing accumulates
