@@ -32,12 +32,13 @@ from typing import Dict, List, Optional, Sequence
 from batcher.model_loader import load_tokenizer
 from batcher.simulated import preset_for
 from cluster.local_serve import local_serve
-from load_tests.bench_client import BenchRecord, Target, run_load
-from load_tests.bench_metrics import summarize as summarize_load
+from load_tests.bench_client import Target, run_load
 from load_tests.routing_chats import chat_starts, sessions
+from load_tests.routing_metrics import exchange_volume, summarize
 from load_tests.routing_replay import (REPLICA_HEADER, TIMING_HEADER, chat_turns, decisions_ttfts, exact_loads_ttfts,
                                        ttft_parts_line)
 from load_tests.routing_trace import TraceWorkload, trace_workload
+from router.index_exchange import board_stats
 from router.scoring import EngineShape, prefill_rate
 
 ROUTERS = {
@@ -48,37 +49,6 @@ ROUTERS = {
 WORKLOADS = ("shared", "skew", "unique", "trace")
 CHATS = ("shared", "skew", "unique")  # the default workloads (trace: `--workloads trace`)
 SHAPE = EngineShape(block_size=8, max_num_batched_tokens=2048, max_num_seqs=64)  # every fleet's engine
-def inflight_imbalance(records: Sequence[BenchRecord], num_replicas: int) -> Optional[float]:
-    """Max/mean in-flight requests per replica, averaged over time weighted by the requests in flight
-    (an imbalance matters when there is load: the tail of a run, one request left on one replica,
-    weighs little), from when each request was in flight and which replica served it
-    (X-Iterserve-Replica). Replicas that served nothing count as idle ones."""
-    served = [(r.start_s, r.start_s + r.e2e_s, r.headers[REPLICA_HEADER]) for r in records if REPLICA_HEADER in r.headers]
-    replicas = sorted({replica for _, _, replica in served})
-    if not replicas:
-        return None
-    events = sorted([(start, 1, replica) for start, _, replica in served] +
-                    [(end, -1, replica) for _, end, replica in served])
-    count, weighted, total, last = dict.fromkeys(replicas, 0), 0.0, 0.0, events[0][0]
-    for t, delta, replica in events:
-        n = sum(count.values())
-        if n:  # dt x n x (max / mean) = dt x max x replicas
-            weighted += (t - last) * max(count.values()) * max(num_replicas, len(replicas))
-            total += (t - last) * n
-        count[replica] += delta
-        last = t
-    return weighted / total if total else None
-
-
-def summarize(records: Sequence[BenchRecord], wall_s: float, num_replicas: int) -> dict:
-    s = summarize_load(records, wall_s)
-    ok = [r for r in records if r.ok]
-    return {"requests": s["requests"], "failed": s["failed"], "cached_share": s.get("cached_token_share", 0.0),
-            "ttft_ms_p50": s["ttft_ms"]["p50"], "ttft_ms_p90": s["ttft_ms"]["p90"], "ttft_ms_p99": s["ttft_ms"]["p99"],
-            "output_tokens_per_s": s["output_throughput"], "wall_s": wall_s,
-            "inflight_max_over_mean": inflight_imbalance(ok, num_replicas),
-            # Little's law: the requests in flight per replica, on average over the run.
-            "inflight_per_replica": sum(r.e2e_s for r in ok) / max(1e-9, wall_s) / num_replicas}
 
 
 def app_config(args, router_class: Optional[str], replicas: int) -> dict:
@@ -116,6 +86,7 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
         url = f"{url_base}/{app}"
         users = args.users_per_replica * replicas
         for kind in args.workloads:
+            board_before = board_stats()
             if kind == "trace":
                 target = Target(url, api="completions", record_headers=(REPLICA_HEADER, TIMING_HEADER))
                 result = asyncio.run(run_load(target, trace.requests, arrivals=trace.arrivals,
@@ -126,6 +97,7 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
                 result = asyncio.run(run_load(target, work, chat_starts(len(work), args.think_s, args.seed),
                                               timeout_s=args.timeout_s, think_s=args.think_s, seed=args.seed))
             m = results.setdefault(kind, {})[name] = summarize(result.records, result.duration_s, replicas)
+            m["index_exchange"] = exchange_volume(app, board_before, board_stats(), result.duration_s)
             if kind == "trace":
                 m.update(infinite_cache_share=trace.infinite_cache_share,
                          prefill_load=prefill_load(trace, args.preset, replicas), **exact)
@@ -194,6 +166,12 @@ def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> L
                       f"{m['ttft_ms_p90']:>7.0f}ms {m['ttft_ms_p99']:>7.0f}ms {m['output_tokens_per_s']:>9.0f} "
                       f"{m.get('inflight_per_replica', float('nan')):>9.1f} {imb:>8} "
                       f"{m['failed']:>6}")
+                ex = m.get("index_exchange")
+                if ex and ex["pulls_per_s"]:
+                    print(f"{'':>8} {'':8} {'':20} index exchange: {ex['pushes_per_s']:.1f} pushes/s "
+                          f"({ex['entries_in_per_s']:.1f} entries), {ex['pulls_per_s']:.1f} pulls/s, hashes "
+                          f"{ex['hashes_in_per_s']:.0f}/s in, {ex['hashes_out_per_s']:.0f}/s out "
+                          f"(~{ex['kb_per_s']:.0f} KB/s), its actor {ex['board_cpu_share']:.1%} of a core")
             checks += [(n, kind, what, met) for what, met in targets(kind, by_router)]
     for n, by_kind in all_results.items():
         load = next((m["prefill_load"] for m in by_kind.get("trace", {}).values()), None)

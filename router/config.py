@@ -42,10 +42,11 @@ class LLMRouterConfig(BaseModel):
         "replica's expected seconds plus this beat every holder's (a hot adapter spreads). Among replicas "
         "that lack it, one holding many adapters costs up to half of this more (an eviction).")
     share_index_s: float = Field(
-        0.25, ge=0.0, description="Every this many seconds, this router shares the prefixes it learned are "
-        "cached (its requests and their answers) with the deployment's other routers (each ingress replica "
-        "and Python handle caller routes with its own) and takes theirs, through one actor, off the "
-        "decision's path; a router alone pushes nothing (0: off).")
+        0.25, ge=0.0, description="Sharing with the deployment's other routers (each ingress replica and Python "
+        "handle caller routes with its own), through one actor, off the decision's path: this router pushes "
+        "each request it sends (its replica, its prompt's blocks, its load) and each answer's blocks as soon "
+        "as its loop is free, and takes the others' by a long poll that returns at once when one pushes, or "
+        "after this many seconds with nothing; a router alone pushes nothing (0: off).")
     default_output_tokens: int = Field(
         128, ge=1, description="Expected answer length until answers have been seen (capped by max_tokens).")
     max_tracked_requests: int = Field(

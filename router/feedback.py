@@ -9,6 +9,13 @@ and that handle's LLMRouter counts the answer's blocks as cached on the replica 
 turn n+1 of a chat then matches the blocks turn n computed there, not only turn n's prompt. Only
 that router hears of it (no registry of every router in the process), and a handle routed by
 another router class reports nothing.
+
+The router is told by its `record_answer` method, not found by `isinstance(router, LLMRouter)`:
+Serve ships a deployment's router class to every process that routes to it by value, so outside the
+process that deployed the app (in every ingress replica) the router's class is a copy, not
+router.llm_router.LLMRouter, and an isinstance check there was always False: no answer reached a
+router in a deployed app until 2026-11-27 (tests/test_router_serve.py now records one from another
+process).
 """
 from __future__ import annotations
 
@@ -16,8 +23,6 @@ from typing import Optional, Sequence
 
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import RequestRouter
-
-from router.llm_router import LLMRouter
 
 
 def request_router_of(handle: DeploymentHandle) -> Optional[RequestRouter]:
@@ -39,8 +44,8 @@ def record_answer(handle: DeploymentHandle, request_id: str, prompt_token_ids: S
                   output_token_ids: Sequence[int]) -> bool:
     """Request `request_id`, sent through `handle`, finished with `output_token_ids` after
     `prompt_token_ids`. False if no LLMRouter routes `handle` (nothing to tell)."""
-    router = request_router_of(handle)
-    if not isinstance(router, LLMRouter):
+    record = getattr(request_router_of(handle), "record_answer", None)
+    if not callable(record):
         return False
-    router.record_answer(request_id, prompt_token_ids, output_token_ids)
+    record(request_id, prompt_token_ids, output_token_ids)
     return True

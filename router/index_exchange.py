@@ -1,127 +1,269 @@
-"""What the routers of one deployment learn of the replicas' caches, shared among them.
+"""What the routers of one deployment learn, shared among them: where prefixes are cached, and the
+requests each has just sent.
 
 Every caller of the LLM deployment routes with an LLMRouter of its own: each ingress replica, each
 Python handle caller. A router learns where prefixes are cached from its own requests (the chains it
-sent, the answers it relayed), so with two ingress replicas each sees about half of a conversation's
-turns, and a turn whose last one went through the other ingress looks uncached to it. Routers share
-what they learn through an `IndexExchange` per deployment, off the decision's path: each router
-pushes the chains it learned and pulls the others' every `share_index_s` (one remote call a period,
-none per request), and inserts them into its own index. A router alone (no other router exchanged
-lately) pushes nothing. The exchanges of every deployment live in one small actor per cluster
-(`ExchangeBoard`, one worker process), owned by the process that made it (an ingress replica): it
-goes with it, and the next exchange makes a new one (what routers learn is soft state).
+sent, the answers it relayed), and a replica's load from its reports (every routing-stats period)
+plus the requests it sent since. With two ingress replicas each saw about half of a conversation's
+turns, and none of the other's requests until the next report: both routers, reading the same
+report, sent prompts to the same replica that looked light (on Mooncake's trace over 4 busy
+simulated replicas, TTFT p90 1.3x what one router reached; in a replay, other routers' requests must
+be known within ~20 ms to avoid it, and a report every 0.1 s did not).
+
+So routers share both through an `IndexExchange` per deployment, off the decision's path: a router
+pushes each entry (a replica, a chain cached there, and the request sent there, if the entry is a
+send) as soon as its loop is free, batched with whatever else came meanwhile, and keeps one long
+poll waiting for the others' entries, which returns as soon as one is pushed. A router alone (no
+other router heard from lately) pushes nothing; its poll returns every `share_index_s` with nothing.
+The exchanges of every deployment live in one small async actor per cluster (`ExchangeBoard`, one
+worker process), owned by the process that made it (an ingress replica): it goes with it, and the
+next call makes a new one (what routers learn is soft state).
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import time
 import uuid
-from collections import deque
-from typing import Awaitable, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from collections import OrderedDict, deque
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
 from batcher.block_hash import BlockHash
+from router.scoring import Routed
 
 log = logging.getLogger(__name__)
 
-Entry = Tuple[str, List[BlockHash]]  # (replica id, a chain of block hashes cached there, root first)
-# IndexExchange.exchange as a coroutine: (router, cursor, entries) -> (cursor, news, others)
-Exchange = Callable[[str, Optional[int], List[Entry]], Awaitable[Tuple[int, List[Entry], bool]]]
+# (replica id, a chain of block hashes cached there (root first), the request sent there or None,
+# the id of a request sent there whose prompt's chain these hashes continue (its answer) or None)
+Entry = Tuple[str, List[BlockHash], Optional[Routed], Optional[str]]
+MAX_KEPT_HASHES = 500_000  # per router: the prompts' chains kept until their answers continue them
 
 
 class IndexExchange:
-    """The deployment's log of learned chains (the body of a Ray actor; plain Python). Bounded by the
-    hashes it holds: a router too far behind gets what is left."""
+    """The deployment's log of entries (plain Python). Bounded by the hashes and entries it holds: a
+    router too far behind gets what is left."""
 
-    def __init__(self, max_hashes: int = 500_000, alone_after_s: float = 10.0):
-        self.max_hashes, self.alone_after_s = max_hashes, alone_after_s
+    def __init__(self, max_hashes: int = 500_000, max_entries: int = 100_000, alone_after_s: float = 10.0):
+        self.max_hashes, self.max_entries, self.alone_after_s = max_hashes, max_entries, alone_after_s
         self._log: Deque[Tuple[int, str, Entry]] = deque()  # (sequence number, router, entry)
         self._seq, self._hashes = 0, 0
-        self._seen: Dict[str, float] = {}  # router -> when it last exchanged
+        self._seen: Dict[str, float] = {}  # router -> when it last pushed or pulled
+        self.counts = {"pushes": 0, "pulls": 0, "entries_in": 0, "hashes_in": 0, "entries_out": 0, "hashes_out": 0}
 
-    def exchange(self, router: str, cursor: Optional[int], entries: Sequence[Entry]) -> Tuple[int, List[Entry], bool]:
-        """Takes `router`'s new entries; returns the cursor to send next time, the other routers'
-        entries after `cursor` (None, a new router: all the log holds) and whether another router
-        exchanged within `alone_after_s` (if not, `router` need not push)."""
-        now = time.monotonic()
-        self._seen[router] = now
-        cursor = 0 if cursor is None else cursor
-        for replica, hashes in entries:
+    def push(self, router: str, entries: Sequence[Entry]) -> bool:
+        """Appends `router`'s entries; returns whether another router was heard from within
+        `alone_after_s` (if not, `router` need not push)."""
+        self._heard(router)
+        for entry in entries:
             self._seq += 1
-            self._log.append((self._seq, router, (replica, list(hashes))))
-            self._hashes += len(hashes)
-        while self._hashes > self.max_hashes and self._log:
+            self._log.append((self._seq, router, entry))
+            self._hashes += len(entry[1])
+        while (self._hashes > self.max_hashes or len(self._log) > self.max_entries) and self._log:
             self._hashes -= len(self._log.popleft()[2][1])
+        c = self.counts
+        c["pushes"], c["entries_in"] = c["pushes"] + 1, c["entries_in"] + len(entries)
+        c["hashes_in"] += sum(len(e[1]) for e in entries)
+        return self._others(router)
+
+    def pull(self, router: str, cursor: Optional[int]) -> Tuple[int, List[Entry], bool]:
+        """The other routers' entries after `cursor` (None, a new router: all the log holds), the
+        cursor to send next time, and whether another router was heard from lately."""
+        self._heard(router)
+        cursor = 0 if cursor is None else cursor
         start = self._log[0][0] if self._log else self._seq + 1
         news = [entry for _, src, entry in itertools.islice(self._log, max(0, cursor + 1 - start), None)
                 if src != router]
+        c = self.counts
+        c["pulls"], c["entries_out"] = c["pulls"] + 1, c["entries_out"] + len(news)
+        c["hashes_out"] += sum(len(e[1]) for e in news)
+        return self._seq, news, self._others(router)
+
+    def _heard(self, router: str) -> None:
+        now = time.monotonic()
+        self._seen[router] = now
         for r in [r for r, t in self._seen.items() if t < now - 2 * self.alone_after_s]:
             del self._seen[r]  # gone (its process ended): forgotten
-        others = any(t >= now - self.alone_after_s for r, t in self._seen.items() if r != router)
-        return self._seq, news, others
+
+    def _others(self, router: str) -> bool:
+        now = time.monotonic()
+        return any(t >= now - self.alone_after_s for r, t in self._seen.items() if r != router)
 
 
 class ExchangeBoard:
-    """The actor: one IndexExchange per deployment, for every deployment of the cluster."""
+    """The actor (async: many routers' long polls wait at once): one IndexExchange per deployment,
+    for every deployment of the cluster."""
 
     def __init__(self):
         self._exchanges: Dict[str, IndexExchange] = {}
+        self._pushed: Dict[str, asyncio.Event] = {}  # deployment -> set at its next push
 
-    def exchange(self, deployment: str, router: str, cursor: Optional[int], entries: Sequence[Entry]):
-        return self._exchanges.setdefault(deployment, IndexExchange()).exchange(router, cursor, entries)
+    async def push(self, deployment: str, router: str, entries: Sequence[Entry]) -> bool:
+        others = self._exchange(deployment).push(router, entries)
+        event = self._pushed.pop(deployment, None) if entries else None
+        if event is not None:  # wakes the long polls waiting; the next ones wait on a new event
+            event.set()
+        return others
+
+    async def pull(self, deployment: str, router: str, cursor: Optional[int], wait_s: float):
+        """IndexExchange.pull, waiting up to `wait_s` for another router's entries if there are none."""
+        exchange, loop = self._exchange(deployment), asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            cursor, news, others = exchange.pull(router, cursor)
+            left = deadline - loop.time()
+            if news or left <= 0:
+                return cursor, news, others
+            try:
+                await asyncio.wait_for(self._pushed.setdefault(deployment, asyncio.Event()).wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def stats(self) -> dict:
+        """What went through each deployment's exchange so far (counts since the board started; the
+        routers heard from lately), and the CPU seconds this process has used: what sharing costs,
+        for benchmarks and operators."""
+        return {"cpu_s": time.process_time(),
+                "deployments": {d: {**ex.counts, "log_hashes": ex._hashes, "routers": len(ex._seen)}
+                                for d, ex in self._exchanges.items()}}
+
+    def _exchange(self, deployment: str) -> IndexExchange:
+        return self._exchanges.setdefault(deployment, IndexExchange())
 
 
 class IndexSync:
-    """One router's side: an outbox of learned chains and the periodic exchange."""
+    """One router's side: an outbox pushed as soon as the loop is free, and a long poll for the
+    others' entries. `board`: what has ExchangeBoard's push and pull (default: the cluster's actor)."""
 
     def __init__(self, period_s: float, deployment: str):
         self.period_s, self.deployment = period_s, deployment
         self.router_id = uuid.uuid4().hex
         self._outbox: List[Entry] = []
         self._cursor: Optional[int] = None
-        self._others = True  # another router exchanged lately (until the first exchange: maybe)
-        self._actor = None
-        self._task: Optional[asyncio.Task] = None
+        self._others = True  # another router was heard from lately (until the first answer: maybe)
+        self._board = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task] = None  # the long poll
+        self._flushing = False  # a push is scheduled or in flight
+        # Other routers' sends, by request id: an answer's entry carries only the blocks past its
+        # prompt (its chain repeats the prompt's, half of what the routers would push otherwise).
+        self._prompts: "OrderedDict[str, List[BlockHash]]" = OrderedDict()
+        self._prompt_hashes = 0
 
-    def learned(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        """`hashes` (a chain) is cached on `replica`, as far as this router knows: for the others (kept
-        only while exchanging, and not while this router is alone)."""
-        if self._task is not None and self._others and hashes:
-            self._outbox.append((replica, list(hashes)))
+    def learned(self, replica: str, hashes: Sequence[BlockHash], sent: Optional[Routed] = None,
+                extends: Optional[Tuple[str, int]] = None) -> None:
+        """`hashes` (a chain) is cached on `replica`, as far as this router knows, and (`sent`) this
+        router has just sent it that request, or (`extends`: its id and its prompt's block count) the
+        chain is that request's prompt and answer: for the others, pushed as soon as the loop is free
+        (kept only while sharing, and not while this router is alone). Safe from any thread."""
+        if self._task is None or not self._others or not (hashes or sent):
+            return
+        if extends is not None:
+            if len(hashes) > extends[1]:  # else nothing past the prompt the others have
+                self._outbox.append((replica, list(hashes[extends[1]:]), None, extends[0]))
+        else:
+            self._outbox.append((replica, list(hashes), sent, None))
+        if not self._outbox:
+            return
+        if not self._flushing:
+            self._flushing = True
+            self._loop.call_soon_threadsafe(self._flush_soon)
 
-    def start(self, apply: Callable[[str, List[BlockHash]], None], call: Optional[Exchange] = None) -> None:
-        """From the router's loop: exchanges every period from now on, through `call` (default: the
-        deployment's IndexExchange on the cluster's ExchangeBoard), handing each chain another router learned to `apply`. Once;
-        nothing without a Ray cluster (a router built in a test or a benchmark: nothing to share)."""
+    def start(self, apply: Callable[[str, List[BlockHash], Optional[Routed]], None], board=None) -> None:
+        """From the router's loop: shares from now on, through `board` (default: the cluster's
+        ExchangeBoard actor), handing each entry another router pushed to `apply`. Once; nothing
+        without a Ray cluster (a router built in a test or a benchmark: nothing to share)."""
         if self._task is not None or self.period_s <= 0:
             return
-        if call is None:
+        if board is None:
             if not ray.is_initialized():
                 return
-            call = self._call_actor
-        self._task = asyncio.get_running_loop().create_task(self._run(apply, call))
+            board = _ActorBoard()
+        self._board, self._loop = board, asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._poll(apply), context=contextvars.Context())
 
-    async def _run(self, apply: Callable[[str, List[BlockHash]], None], call: Exchange) -> None:
+    def _flush_soon(self) -> None:
+        # A context of its own, as the poll's: started from a request's, Ray would count its calls as
+        # that request's children and cancel them when the request ends (a streamed answer's does).
+        self._loop.create_task(self._flush(), context=contextvars.Context())
+
+    async def _flush(self) -> None:
+        try:
+            while self._outbox:  # what came while a push was in flight goes in the next one
+                entries, self._outbox = self._outbox, []
+                self._others = await self._board.push(self.deployment, self.router_id, entries)
+        except Exception as e:  # the actor's owner went away, or the cluster is stopping: lost (soft state)
+            log.debug("index exchange push failed (%s)", e)
+            self._outbox.clear()
+        finally:
+            self._flushing = False
+
+    async def _poll(self, apply: Callable[[str, List[BlockHash], Optional[Routed]], None]) -> None:
         while True:
-            await asyncio.sleep(self.period_s)
-            entries, self._outbox = self._outbox, []
             try:
-                self._cursor, news, self._others = await call(self.router_id, self._cursor, entries)
-            except Exception as e:  # the actor's owner went away, or the cluster is stopping: next time
-                log.debug("index exchange failed (%s); retrying next period", e)
-                self._actor, self._cursor = None, None
+                self._cursor, news, self._others = await self._board.pull(
+                    self.deployment, self.router_id, self._cursor, self.period_s)
+            except Exception as e:  # as in _flush
+                log.debug("index exchange pull failed (%s); retrying", e)
+                if isinstance(e, ray.exceptions.RayActorError):
+                    self._cursor = None  # the next actor starts a new log
+                await asyncio.sleep(self.period_s)
                 continue
-            for replica, hashes in news:
-                apply(replica, hashes)
+            for replica, hashes, sent, extends in news:
+                if extends is not None:  # an answer: its prompt's chain, as sent, then its own blocks
+                    prompt = self._prompts.pop(extends, None)
+                    if prompt is None:  # sent before this router joined, or forgotten: the reports will do
+                        continue
+                    self._prompt_hashes -= len(prompt)
+                    hashes = prompt + hashes
+                elif sent is not None and sent.request_id:
+                    self._keep_prompt(sent.request_id, hashes)
+                apply(replica, hashes, sent)
 
-    async def _call_actor(self, router: str, cursor: Optional[int], entries: List[Entry]):
+    def _keep_prompt(self, request_id: str, hashes: List[BlockHash]) -> None:
+        self._prompt_hashes -= len(self._prompts.pop(request_id, ()))
+        self._prompts[request_id] = hashes
+        self._prompt_hashes += len(hashes)
+        while self._prompt_hashes > MAX_KEPT_HASHES and self._prompts:
+            self._prompt_hashes -= len(self._prompts.popitem(last=False)[1])
+
+
+class _ActorBoard:
+    """The cluster's ExchangeBoard actor behind ExchangeBoard's interface; found (or made) on first use."""
+
+    def __init__(self):
+        self._actor = None
+
+    async def push(self, deployment: str, router: str, entries: List[Entry]) -> bool:
+        return await self._call("push", deployment, router, entries)
+
+    async def pull(self, deployment: str, router: str, cursor: Optional[int], wait_s: float):
+        return await self._call("pull", deployment, router, cursor, wait_s)
+
+    async def _call(self, method: str, *args):
         if self._actor is None:  # a GCS lookup (or the actor's creation): off the loop
             self._actor = await asyncio.to_thread(
                 _BOARD.options(name="index-exchange", namespace="iterserve", get_if_exists=True).remote)
-        return await self._actor.exchange.remote(self.deployment, router, cursor, entries)
+        try:
+            return await getattr(self._actor, method).remote(*args)
+        except ray.exceptions.RayActorError:
+            # Gone with its owner: found or made again next time. Only then: where this process is
+            # the owner, dropping its handle would end the actor for every router.
+            self._actor = None
+            raise
 
 
 _BOARD = ray.remote(num_cpus=0)(ExchangeBoard)
+
+
+def board_stats() -> Optional[dict]:
+    """The cluster's ExchangeBoard.stats(), from a process connected to the cluster; None where no
+    router has exchanged yet (no board)."""
+    try:
+        board = ray.get_actor("index-exchange", namespace="iterserve")
+    except ValueError:
+        return None
+    return ray.get(board.stats.remote())

@@ -15,6 +15,10 @@ unit-tested without Serve. A request, keyed by Serve's internal request id, goes
 A completion before any confirmation (the replica rejected the attempt; Serve retries) releases the
 claim: blocks count as cached only where Serve confirmed them. A request Serve never reports on again
 (cancelled while queued) is forgotten by the bounds, by count and by age, all applied in `_expire`.
+
+Requests other routers of the deployment sent (`sent_elsewhere`, from router.index_exchange) count
+in flight on their replica too, until a report of it counts them (from then on its reports do) or,
+taken `FOREIGN_GRACE_S` after they were sent, does not (they ended: this router hears of no completion).
 """
 from __future__ import annotations
 
@@ -24,11 +28,12 @@ from typing import Collection, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from batcher.block_hash import BlockHash
 from router.index import PrefixIndex
-from router.scoring import Routed, RoutingRequest
+from router.scoring import Report, Routed, RoutingRequest, counted_in
 
 FORGET_AFTER_S = 3600.0  # a request still counted after this long was lost without a callback
 ANSWER_WAIT_S = 900.0  # a request's answer is expected within this (it ends the request)
 MAX_COMPLETED = 4096  # per replica: completions its latest report may still count
+FOREIGN_GRACE_S = 1.0  # a report this long after another router's request was sent, not counting it: it ended
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class RequestLedger:
         self._awaiting: "OrderedDict[str, Tuple[str, HashedRequest, float]]" = OrderedDict()
         self._awaiting_on: Dict[str, int] = {}  # replica -> answers awaited from it
         self._versions: Dict[str, int] = {}
+        self._foreign: Dict[str, Dict[str, Routed]] = {}  # replica -> key -> another router's request
 
     # ---- reads --------------------------------------------------------------------------------------
 
@@ -168,6 +174,44 @@ class RequestLedger:
                 done.popleft()
             self._bump(replica)
 
+    def sent_on(self, key: str) -> Optional[Tuple[str, Routed]]:
+        """(replica, what counts there) for request `key` while it counts in flight; else None."""
+        entry = self._entries.get(key)
+        if entry is None or entry.replica is None:
+            return None
+        routed = self._inflight.get(entry.replica, {}).get(key)
+        return None if routed is None else (entry.replica, routed)
+
+    def sent_elsewhere(self, replica: str, routed: Routed, report: Optional[Report], now: float) -> None:
+        """Another router sent `routed` to `replica`: it counts there until a report does (`report`:
+        the replica's latest, which may count it already). Sent more than FOREIGN_GRACE_S before `now`
+        (a new router reading the exchange's log), it is left to the reports. Bounded like this
+        router's own requests."""
+        if now - routed.routed_at > FOREIGN_GRACE_S or (report is not None and counted_in(report, routed)):
+            return
+        foreign = self._foreign.setdefault(replica, {})
+        key = f"@{routed.request_id}" if routed.request_id else f"@{id(routed)}"
+        foreign[key] = self._inflight.setdefault(replica, {})[key] = routed
+        while len(foreign) > self.max_requests:
+            oldest = next(iter(foreign))
+            del foreign[oldest]
+            self._inflight[replica].pop(oldest, None)
+        self._bump(replica)
+
+    def reported(self, replica: str, report: Report) -> None:
+        """A new report of `replica`: the other routers' requests it counts, or that ended before it
+        (sent more than FOREIGN_GRACE_S earlier and not counted), count through its reports now."""
+        foreign = self._foreign.get(replica)
+        if not foreign:
+            return
+        gone = [k for k, r in foreign.items()
+                if counted_in(report, r) or r.routed_at < report.time_s - FOREIGN_GRACE_S]
+        for key in gone:
+            del foreign[key]
+            self._inflight[replica].pop(key, None)
+        if gone:
+            self._bump(replica)
+
     def answered(self, request_id: str) -> Optional[Tuple[str, HashedRequest]]:
         """The answer to `request_id` came: (its replica, the request), or None if unknown."""
         found = self._pop_awaiting(request_id)
@@ -179,6 +223,7 @@ class RequestLedger:
         for key in list(self._inflight.get(replica, ())):
             self.forget(key)
         self._inflight.pop(replica, None)
+        self._foreign.pop(replica, None)
         self._completed.pop(replica, None)
         self._versions.pop(replica, None)
         if self._awaiting_on.get(replica):

@@ -31,8 +31,8 @@ from router.cost_model import FleetStepTimes, coefficients, learned_step
 from router.index import PrefixIndex
 from router.index_exchange import IndexSync
 from router.ledger import HashedRequest, RequestLedger
-from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, RoutingRequest, adapter_costs, fleet_loads,
-                            load_row, own_load, prefill_rate, replica_load, score_replicas, stale_rows)
+from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, Routed, RoutingRequest, adapter_costs,
+                            fleet_loads, load_row, own_load, prefill_rate, replica_load, score_replicas, stale_rows)
 
 _TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
 _NO_LOAD = (-math.inf, -math.inf, 0.0, 0.0, 0.0, math.nan)  # a load row (scoring.load_row) that is never fresh
@@ -213,6 +213,7 @@ class LLMRouter(RequestRouter):
             self._lora_ids.update(report.loras)
             self.index.set_capacity(rid, report.kv_blocks_total)
             self.ledger.covered_until(rid, report.time_s)
+            self.ledger.reported(rid, report)
         self._reports[rid] = (stats, report)
         return report
 
@@ -230,7 +231,8 @@ class LLMRouter(RequestRouter):
             cached = self._cached_tokens(request, self.index.matched_blocks(request.hashes).get(rid, 0))
         self.ledger.routed(key, rid, cached, time.time())
         if request is not None:
-            self.sync.learned(rid, request.hashes)
+            sent = self.ledger.sent_on(key)
+            self.sync.learned(rid, request.hashes, sent[1] if sent and sent[0] == rid else None)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """No longer in flight; but the replica's latest report may still count it (it was taken
@@ -264,12 +266,18 @@ class LLMRouter(RequestRouter):
         tokens = list(prompt_token_ids) + list(output_token_ids)
         hashes = cacheable_block_hashes(tokens, self.shape.block_size, request.root, known=request.hashes)
         self.index.insert(rid, hashes)
-        self.sync.learned(rid, hashes)
+        extends = (request.request_id, len(request.hashes)) if request.request_id else None
+        self.sync.learned(rid, hashes, extends=extends)
 
-    def _learned_elsewhere(self, rid: str, hashes: List[bytes]) -> None:
-        """Another router of this deployment learned that `rid` caches the chain `hashes`."""
-        if rid in self._alive:
+    def _learned_elsewhere(self, rid: str, hashes: List[bytes], sent: Optional[Routed] = None) -> None:
+        """Another router of this deployment learned that `rid` caches the chain `hashes`, and (`sent`)
+        has just sent it that request: it counts there until `rid`'s reports do."""
+        if rid not in self._alive:
+            return
+        if hashes:
             self.index.insert(rid, hashes)
+        if sent is not None:
+            self.ledger.sent_elsewhere(rid, sent, (self._reports.get(rid) or (None, None))[1], time.time())
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)

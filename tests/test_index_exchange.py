@@ -1,80 +1,164 @@
-"""Routers of one deployment sharing what they learn of the replicas' caches (router.index_exchange):
-the exchange's log in plain Python, and LLMRouter's side of it with fake replicas (no Ray cluster;
-the real actor between two ingress replicas: tests/test_router_serve.py)."""
+"""Routers of one deployment sharing what they learn (router.index_exchange): the exchange's log in
+plain Python, the board's long poll, and LLMRouter's side of it with fake replicas (no Ray cluster;
+the real actor between two callers: tests/test_router_serve.py): where prefixes are cached, and the
+requests each router has just sent, which the others count as load until the replica's reports do."""
 from __future__ import annotations
 
 import asyncio
 import time
 
 from router.index_exchange import ExchangeBoard, IndexExchange
+from router.ledger import FOREIGN_GRACE_S
+from router.scoring import Routed
 from tests.router_harness import SYSTEM, blocks, make_router, replica, request, serving  # noqa: F401
 
 H = [bytes([i]) * 32 for i in range(8)]  # stand-in block hashes
 
 
-def test_each_router_gets_the_others_chains_not_its_own_and_a_new_one_gets_the_log():
+def test_each_router_gets_the_others_entries_not_its_own_and_a_new_one_gets_the_log():
     ex = IndexExchange()
-    cursor_a, news, others = ex.exchange("a", None, [("r1", H[:2])])
-    assert news == [] and others is False  # alone so far
-    cursor_b, news, others = ex.exchange("b", None, [])  # new: all the log holds
-    assert news == [("r1", H[:2])] and others is True
-    cursor_a, news, others = ex.exchange("a", cursor_a, [("r2", H[2:3])])
-    assert news == [] and others is True  # b pushed nothing; a's own entries never come back
-    cursor_b, news, _ = ex.exchange("b", cursor_b, [("r3", H[3:5])])
-    assert news == [("r2", H[2:3])]
-    _, news, _ = ex.exchange("a", cursor_a, [])
-    assert news == [("r3", H[3:5])]
-    _, news, _ = ex.exchange("b", cursor_b, [])
-    assert news == []  # nothing new since b's cursor
+    assert ex.push("a", [("r1", H[:2], None, None)]) is False  # alone so far
+    cursor_b, news, others = ex.pull("b", None)  # new: all the log holds
+    assert news == [("r1", H[:2], None, None)] and others is True
+    cursor_a, news, _ = ex.pull("a", None)
+    assert news == []  # a's own entries never come back
+    sent = Routed(1.0, 400, 400, "q1")
+    assert ex.push("a", [("r2", H[2:3], sent, None)]) is True  # b was heard from
+    cursor_b, news, _ = ex.pull("b", cursor_b)
+    assert news == [("r2", H[2:3], sent, None)]
+    assert ex.pull("b", cursor_b)[1] == []  # nothing new since b's cursor
 
 
-def test_the_clusters_board_keeps_each_deployments_exchange_apart():
-    board = ExchangeBoard()
-    board.exchange("app/LLMServer", "a", None, [("r1", H[:2])])
-    assert board.exchange("other/LLMServer", "b", None, [])[1] == []
-    assert board.exchange("app/LLMServer", "b", None, [])[1] == [("r1", H[:2])]
-
-
-def test_the_log_is_bounded_by_the_hashes_it_holds_and_a_router_alone_is_told_so():
-    ex = IndexExchange(max_hashes=4, alone_after_s=0.05)
-    ex.exchange("a", None, [("r1", H[0:2]), ("r1", H[2:4]), ("r2", H[4:6])])
-    _, news, _ = ex.exchange("b", None, [])
-    assert news == [("r1", H[2:4]), ("r2", H[4:6])]  # the oldest chain went
+def test_the_log_is_bounded_and_a_router_alone_is_told_so():
+    ex = IndexExchange(max_hashes=4, max_entries=10, alone_after_s=0.05)
+    ex.push("a", [("r1", H[0:2], None, None), ("r1", H[2:4], None, None), ("r2", H[4:6], None, None)])
+    assert ex.pull("b", None)[1] == [("r1", H[2:4], None, None), ("r2", H[4:6], None, None)]  # the oldest chain went
+    ex = IndexExchange(max_entries=2)
+    ex.push("a", [("r1", [], Routed(t, 10, 10, str(t)), None) for t in range(3)])
+    assert [e[2].request_id for e in ex.pull("b", None)[1]] == ["1", "2"]  # sends count against the bound too
+    ex = IndexExchange(alone_after_s=0.05)
+    ex.pull("b", None)
     time.sleep(0.06)
-    _, _, others = ex.exchange("a", 3, [])
-    assert others is False  # b has not exchanged within alone_after_s: a need not push
+    assert ex.push("a", []) is False  # b has not been heard from within alone_after_s: a need not push
 
 
-def test_two_routers_exchanging_route_a_turn_where_the_other_sent_the_last_one(serving):
-    """Each router exchanges through one in-process IndexExchange (the actor's body; on a cluster,
-    the actor: tests/test_router_serve.py) every 10 ms, on its own loop as on Serve."""
-    now, shared = time.time(), IndexExchange()
+def test_the_boards_long_poll_returns_when_another_router_pushes_and_keeps_deployments_apart():
+    async def main():
+        board = ExchangeBoard()
+        await board.pull("app/LLMServer", "b", None, 0)  # b is known: a's pushes are kept
+        t0 = time.monotonic()
+        waiting = asyncio.create_task(board.pull("app/LLMServer", "b", 0, 5.0))
+        other = asyncio.create_task(board.pull("other/LLMServer", "c", 0, 0.3))
+        await asyncio.sleep(0.05)
+        await board.push("app/LLMServer", "b", [("r9", H[:1], None, None)])  # b's own push: b keeps waiting
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await board.push("app/LLMServer", "a", [("r1", H[:2], None, None)])
+        _, news, others = await asyncio.wait_for(waiting, 1.0)
+        woke = time.monotonic() - t0
+        assert news == [("r1", H[:2], None, None)] and others is True and woke < 1.0
+        assert (await other)[1] == []  # another deployment's push is not its news: empty after its wait
+        stats = (await board.stats())["deployments"]["app/LLMServer"]
+        assert stats["entries_in"] == 2 and stats["hashes_out"] == 2
+    asyncio.run(main())
 
-    async def call(router, cursor, entries):
-        return shared.exchange(router, cursor, entries)
 
-    a, b = make_router(), make_router()  # sharing off: serving() starts no exchange with a cluster
-    serve_a, serve_b = serving(a, [replica(n, now) for n in "wxyz"]), serving(b, [replica(n, now) for n in "wxyz"])
+class LoopBoard:
+    """ExchangeBoard's interface over one in-process IndexExchange, for routers on loops of their own
+    (the test's Serving): a pull with nothing new returns after a short sleep instead of a long poll."""
+
+    def __init__(self):
+        self.exchange = IndexExchange()
+
+    async def push(self, deployment, router, entries):
+        return self.exchange.push(router, entries)
+
+    async def pull(self, deployment, router, cursor, wait_s):
+        out = self.exchange.pull(router, cursor)
+        if not out[1]:
+            await asyncio.sleep(min(wait_s, 0.005))
+        return out
+
+
+def sharing_pair(serving, now: float, names: str = "wxyz", **stats):
+    """Two routers of one deployment sharing through a LoopBoard, each driven as Serve drives it. Each
+    polls once before the other pushes (b first, then a, which hears of b: a pushes from then on)."""
+    board, pairs = LoopBoard(), []
+    for _ in range(2):
+        router = make_router()  # sharing off: serving() starts no exchange with a cluster
+        pairs.append((router, serving(router, [replica(n, now, **stats) for n in names])))
+    (a, serve_a), (b, serve_b) = pairs
     for router, serve in ((b, serve_b), (a, serve_a)):
-        serve.run(_start(router, call))
-        serve.run(asyncio.sleep(0.05))  # b exchanges, then a, which hears of b: a pushes from now on
+        serve.run(_start(router, board))
+        serve.run(asyncio.sleep(0.02))
+    return a, serve_a, b, serve_b
+
+
+async def _start(router, board):
+    router.sync.period_s = 0.01
+    router.sync.start(router._learned_elsewhere, board)
+
+
+def test_two_routers_sharing_route_a_turn_where_the_other_sent_the_last_one(serving):
+    a, serve_a, b, serve_b = sharing_pair(serving, time.time())
     turn1, answer = SYSTEM + list(range(2000, 2100)), list(range(5000, 5120))
     where = serve_a.route(request(turn1, "t1"), "k1")
     serve_a.complete("k1", where)
     a.record_answer("t1", turn1, answer)
     a.sync.learned("gone", blocks(list(range(9000, 9100))))  # a replica b was never given
-    serve_a.run(asyncio.sleep(0.05))  # a pushes
-    serve_b.run(asyncio.sleep(0.05))  # b pulls
+    serve_a.run(asyncio.sleep(0.02))  # a pushes
+    serve_b.run(asyncio.sleep(0.02))  # b pulls
     turn2 = turn1 + answer + [7, 8, 9]
     answered = (len(turn1) + len(answer) - 1) // 8  # the answer's last token is never computed
     assert b.index.matched_blocks(blocks(turn2)) == {where: answered}
     assert "gone" not in b.index.replicas()
     assert serve_b.choose(request(turn2, "t2"), "k2")[0] == where  # b routes turn 2 where a sent turn 1
+    # The answer's entry carried only the blocks past its prompt; b had the prompt's from a's send.
+    prompt_blocks = (len(turn1) - 1) // 8
+    answer_entry = next(e for _, _, e in a.sync._board.exchange._log if e[3] == "t1")
+    assert answer_entry[1] == blocks(turn1 + answer)[prompt_blocks:answered] and answer_entry[2] is None
 
 
-async def _start(router, call):
-    router.sync.period_s = 0.01
-    router.sync.start(router._learned_elsewhere, call)
+def test_a_router_counts_the_requests_another_just_sent_and_sends_its_own_elsewhere(serving):
+    """Four idle replicas, reports fresh: a sends three long unique prompts (one a replica); b, which
+    reads the same reports, hears of them and sends its own to the fourth. Without the sends shared,
+    b sees four idle replicas (and picks one at random)."""
+    now = time.time()
+    a, serve_a, b, serve_b = sharing_pair(serving, now, request_ids=[])
+    taken = [serve_a.route(request(list(range(10_000 * i, 10_000 * i + 4000)), f"a{i}"), f"ka{i}") for i in range(3)]
+    assert len(set(taken)) == 3
+    serve_a.run(asyncio.sleep(0.02))
+    serve_b.run(asyncio.sleep(0.02))
+    for name in taken:
+        load = b.load(name, b.curr_replicas[serve_b.id(name)].routing_stats)
+        assert load.batch == 1 and load.queued_prefill_tokens > 3000  # a's request, its prefill ahead
+    free = ({"w", "x", "y", "z"} - set(taken)).pop()
+    assert serve_b.route(request(list(range(90_000, 94_000)), "b0"), "kb0") == free
+
+
+def test_another_routers_request_counts_until_a_report_counts_it_or_shows_it_ended(serving):
+    now = time.time()
+    router = make_router()
+    serve = serving(router, [replica(n, now, request_ids=[]) for n in "xy"])
+    x = router.curr_replicas[serve.id("x")]
+    base = router.load("x", x.routing_stats).batch
+    router._learned_elsewhere("x", [], Routed(now, 4000, 4000, "q1"))
+    router._learned_elsewhere("x", [], Routed(now, 500, 500, "q2"))
+    assert router.load("x", x.routing_stats).batch == base + 2
+    router._learned_elsewhere("gone", [], Routed(now, 4000, 4000, "q3"))  # not a replica of this router's
+    assert router.ledger.replicas() <= {"x", "y"}
+    router._learned_elsewhere("x", [], Routed(now - FOREIGN_GRACE_S - 1, 4000, 4000, "q0"))  # old: the reports'
+    assert router.load("x", x.routing_stats).batch == base + 2
+    # The next report counts q1 (so it is not counted twice); q2 was sent long enough before it to have
+    # ended; a report that already counts a request means it is never added.
+    later = dict(x.routing_stats, time_s=now + FOREIGN_GRACE_S + 0.5, running=1, request_ids=["q1"])
+    assert router.load("x", later).batch == 1
+    router._learned_elsewhere("x", [], Routed(now, 4000, 4000, "q1"))  # a late copy of what the report counts
+    assert router.load("x", later).batch == 1
+    just_sent = dict(later, time_s=now + 0.1, running=0, request_ids=[])
+    router._learned_elsewhere("y", [], Routed(now, 800, 800, "q4"))
+    y = router.curr_replicas[serve.id("y")]
+    assert router.load("y", dict(y.routing_stats, **{k: just_sent[k] for k in ("time_s", "request_ids")})).batch == 1
 
 
 def test_with_sharing_off_a_router_keeps_nothing_to_share(serving):
@@ -83,3 +167,62 @@ def test_with_sharing_off_a_router_keeps_nothing_to_share(serving):
     serve.route(request(SYSTEM, "t1"), "k1")
     router.record_answer("t1", SYSTEM, [1, 2, 3])
     assert router.sync._outbox == [] and router.sync._task is None  # no exchange: nothing accumulates
+
+
+def test_a_cancelled_call_keeps_the_boards_handle_and_a_dead_actor_drops_it():
+    """The process that made the board owns it: dropping its handle ends the actor for every router.
+    A call Ray cancelled (a request's child, when the request ended) must not; a dead actor's must."""
+    import ray.exceptions
+
+    from router.index_exchange import _ActorBoard
+
+    class Method:
+        def __init__(self, error):
+            self.error = error
+
+        def remote(self, *args):
+            async def fail():
+                raise self.error
+            return fail()
+
+    for error, kept in ((ray.exceptions.TaskCancelledError(), True), (ray.exceptions.ActorDiedError(), False)):
+        board = _ActorBoard()
+        board._actor = type("Actor", (), {"push": Method(error)})()
+        try:
+            asyncio.run(board.push("app/LLMServer", "a", []))
+        except Exception:
+            pass
+        assert (board._actor is not None) == kept, error
+
+
+def test_pushes_and_polls_run_outside_the_request_that_started_them():
+    """Ray counts an actor call made in a request's context as that request's child, and cancels it
+    when the request ends (a streamed answer's does): IndexSync's tasks start with contexts of their own."""
+    import contextvars
+
+    from router.index_exchange import IndexSync
+
+    request = contextvars.ContextVar("request", default=None)
+    seen = []
+
+    class Board:
+        async def push(self, deployment, router, entries):
+            seen.append(("push", request.get()))
+            return True
+
+        async def pull(self, deployment, router, cursor, wait_s):
+            seen.append(("pull", request.get()))
+            await asyncio.sleep(0.01)
+            return 0, [], True
+
+    async def main():
+        request.set("req-1")  # as in the request whose routing started the sharing
+        sync = IndexSync(0.01, "app/LLMServer")
+        sync.start(lambda *entry: None, Board())
+        await asyncio.sleep(0.02)
+        sync.learned("r1", H[:2])
+        await asyncio.sleep(0.02)
+        sync._task.cancel()
+
+    asyncio.run(main())
+    assert ("push", None) in seen and ("pull", None) in seen and all(ctx is None for _, ctx in seen)

@@ -201,6 +201,29 @@ class OtherCaller:
     async def generate(self, request: PreparedRequest):
         return await self.handle.generate.remote(request)
 
+    async def generate_and_record(self, request: PreparedRequest) -> tuple:
+        """What the ingress does with an answer, in a process that did not deploy the app: (whether
+        router.feedback found a router to tell, the answer's blocks its index then holds on the
+        replica, the answer's chain length)."""
+        from router import feedback
+
+        out = await self.handle.generate.remote(request)
+        recorded = feedback.record_answer(self.handle, request.request_id, request.prompt_token_ids, out.token_ids)
+        await asyncio.sleep(0.05)  # applied on the router's loop
+        chain = cacheable_block_hashes(request.prompt_token_ids + out.token_ids, BLOCK, root_hash("sim:cpu-smollm2"))
+        router = feedback.request_router_of(self.handle)
+        return recorded, router.index.matched_blocks(chain).get(out.replica_id, 0), len(chain)
+
+
+def test_answers_recorded_in_another_process_reach_its_router(sim_apps):
+    """The ingress records answers in its own process, where Serve's copy of the router class is not
+    router.llm_router.LLMRouter (it came by value: isinstance fails there); the answer's blocks must
+    still count as cached on the replica that computed them."""
+    prompt = list(range(7000, 7100))
+    request = PreparedRequest("answer-other", prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    recorded, matched, chain = ray.get(OtherCaller.remote("simllm").generate_and_record.remote(request))
+    assert recorded and matched == chain == (len(prompt) + 24 - 1) // BLOCK
+
 
 def test_a_chat_whose_turns_alternate_between_two_routers_stays_on_its_replica(sim_apps):
     """Each conversation's turns go through this process's handle and another process's in turn, two

@@ -105,3 +105,29 @@ def test_the_server_timing_header_splits_what_a_request_spent_outside_the_model(
     assert ("replica - replayed p50 10 / p90 10, prepare p50 2 / p90 2, routing and hops p50 8 / p90 8, "
             "of it to the replica p50 5 / p90 5, and back p50 3 / p90 3, proxy and HTTP p50 20 / p90 20 ms"
             ) in capsys.readouterr().out
+
+
+def test_routers_that_know_each_others_requests_at_once_decide_as_one_and_blind_ones_pile_up():
+    """load_tests.routing_staleness: a burst of long unique prompts, one report before it (all idle).
+    Two routers that know each other's sends at once are one router; never knowing them, each sees
+    only its own sends and both pile onto the replicas that look light."""
+    from load_tests.routing_staleness import stale_reports
+
+    prompts = [list(range(i * 1000, i * 1000 + 400)) for i in range(8)]
+    arrivals, tokens = [0.001 * i for i in range(8)], [4] * 8
+
+    def run(routers, known_after_s):
+        return replay(prompts, tokens, arrivals, stale_reports(prompts, tokens, STEP, SHAPE, routers, 10.0,
+                                                                known_after_s), STEP, SHAPE, 4)
+    one, shared, blind = run(1, 0.0), run(2, 0.0), run(2, float("inf"))
+    assert shared.ttft_s == one.ttft_s
+    assert blind.ttft_ms(90) > one.ttft_ms(90)
+
+
+def test_the_staleness_model_prints_each_delay_against_one_router(tmp_path, capsys):
+    from load_tests.routing_staleness import main
+
+    out = main(["--trace-window-s", "20", "--delays", "0,inf", "--json", str(tmp_path / "s.json")])
+    assert [(r["routers"], r["known_after_s"]) for r in out["runs"]] == [(1, 0.0), (2, 0.0), (2, float("inf"))]
+    assert out["runs"][1]["ttft_ms_p90"] == out["runs"][0]["ttft_ms_p90"]
+    assert "MODEL" in capsys.readouterr().out and (tmp_path / "s.json").exists()
