@@ -125,13 +125,37 @@ def assigned(replica_of: Sequence[str]) -> Chooser:
     return lambda i, fleet, hits, now: names.index(replica_of[i])
 
 
+class RouterScoring:
+    """LLMRouter's scoring (router.scoring.score_replicas, its default knobs unless `config`) as the
+    replays run it, given the loads a router would see: the load bound's recent peak, the mean answer
+    so far as the expected one, the fleet's busy share as the model's."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], step: StepTimeModel,
+                 shape: EngineShape, config: Optional[LLMRouterConfig] = None, seed: int = 0):
+        self.prompts, self.max_tokens, self.step, self.shape = prompts, max_tokens, step, shape
+        self.config = config or LLMRouterConfig(model="replay")
+        self.rng, self.peaks, self.seen = np.random.default_rng(seed), deque(), []
+
+    def choose(self, i: int, fleet: List[ReplicaModel], hits: List[int], now: float, loads: FleetLoads) -> int:
+        config, prompt = self.config, self.prompts[i]
+        self.peaks.append((now, float(loads.batch.sum())))
+        while self.peaks[0][0] < now - config.load_window_s:
+            self.peaks.popleft()
+        cached = np.array([cached_tokens(h, len(prompt), self.shape.block_size) for h in hits], dtype=float)
+        expected = sum(self.seen) / len(self.seen) if self.seen else config.default_output_tokens
+        self.seen.append(self.max_tokens[i])
+        request = RoutingRequest(len(prompt), max(1, round(min(self.max_tokens[i], expected))))
+        busy = sum(rep.busy_s for rep in fleet) / (len(fleet) * now) if now > 0 else 0.0
+        ranking = score_replicas(self.step, self.shape, [str(k) for k in range(len(fleet))], loads, cached, request,
+                                 config.load_bound, config.affinity_margin, self.rng,
+                                 fleet_sequences=max(p[1] for p in self.peaks), fleet_busy=busy)
+        return int(ranking.order[0])
+
+
 def exact_loads(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], step: StepTimeModel,
                 shape: EngineShape, config: Optional[LLMRouterConfig] = None, seed: int = 0) -> Chooser:
-    """LLMRouter's scoring (router.scoring.score_replicas, its default knobs unless `config`) over the
-    model's exact loads and caches, the fleet's busy share as the model's, the expected answer the
-    mean so far."""
-    config = config or LLMRouterConfig(model="replay")
-    rng, peaks, seen = np.random.default_rng(seed), deque(), []
+    """LLMRouter's scoring over the model's exact loads and caches (RouterScoring)."""
+    scoring = RouterScoring(prompts, max_tokens, step, shape, config, seed)
 
     def choose(i: int, fleet: List[ReplicaModel], hits: List[int], now: float) -> int:
         loads = FleetLoads(np.array([rep.queued_tokens() for rep in fleet]),
@@ -139,18 +163,7 @@ def exact_loads(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], ste
                            np.array([float(sum(d[2] for d in rep.running) + sum(len(prompts[w[0]]) for w in rep.waiting))
                                      for rep in fleet]),
                            np.full(len(fleet), math.nan))
-        peaks.append((now, float(loads.batch.sum())))
-        while peaks[0][0] < now - config.load_window_s:
-            peaks.popleft()
-        cached = np.array([cached_tokens(h, len(prompts[i]), shape.block_size) for h in hits], dtype=float)
-        expected = sum(seen) / len(seen) if seen else config.default_output_tokens
-        seen.append(max_tokens[i])
-        request = RoutingRequest(len(prompts[i]), max(1, round(min(max_tokens[i], expected))))
-        busy = sum(rep.busy_s for rep in fleet) / (len(fleet) * now) if now > 0 else 0.0
-        ranking = score_replicas(step, shape, [str(k) for k in range(len(fleet))], loads, cached, request,
-                                 config.load_bound, config.affinity_margin, rng,
-                                 fleet_sequences=max(p[1] for p in peaks), fleet_busy=busy)
-        return int(ranking.order[0])
+        return scoring.choose(i, fleet, hits, now, loads)
 
     return choose
 

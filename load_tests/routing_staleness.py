@@ -14,17 +14,15 @@ import argparse
 import json
 import math
 import random
-from collections import deque
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from batcher.simulated import StepTimeModel, preset_for
-from load_tests.routing_replay import Chooser, ReplicaModel, replay
+from load_tests.routing_replay import Chooser, ReplicaModel, RouterScoring, replay
 from load_tests.routing_trace import cached_tokens, trace_workload
-from router.config import LLMRouterConfig
-from router.scoring import EngineShape, FleetLoads, RoutingRequest, prefill_rate, score_replicas
+from router.scoring import EngineShape, FleetLoads, prefill_rate
 
 SHAPE = EngineShape(block_size=8, max_num_batched_tokens=2048, max_num_seqs=64)  # load_tests.routing's
 
@@ -32,12 +30,11 @@ SHAPE = EngineShape(block_size=8, max_num_batched_tokens=2048, max_num_seqs=64) 
 def stale_reports(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], step: StepTimeModel,
                   shape: EngineShape, routers: int, report_s: float, known_after_s: float, seed: int = 0) -> Chooser:
     """LLMRouter's scoring by `routers` routers over reports every `report_s` (module docstring)."""
-    config, rng, pick = LLMRouterConfig(model="replay"), np.random.default_rng(seed), random.Random(seed)
+    scoring, pick = RouterScoring(prompts, max_tokens, step, shape, seed=seed), random.Random(seed)
     rate = float(prefill_rate(step, shape))
     reports: dict = {}  # replica -> (time, queued tokens, batch, context) as last reported
     last_report = [-math.inf]
     sends: List[list] = []  # per replica: (sent at, uncached tokens, prompt tokens, router)
-    peaks, seen = deque(), []
 
     def choose(i: int, fleet: List[ReplicaModel], hits: List[int], now: float) -> int:
         if not sends:
@@ -59,18 +56,9 @@ def stale_reports(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], s
             batch.append(b + len(known))
             context.append(c + sum(s[2] for s in known))
         loads = FleetLoads(np.array(queued), np.array(batch), np.array(context), np.full(len(fleet), math.nan))
-        peaks.append((now, float(loads.batch.sum())))
-        while peaks[0][0] < now - config.load_window_s:
-            peaks.popleft()
-        cached = np.array([cached_tokens(h, len(prompts[i]), shape.block_size) for h in hits], dtype=float)
-        expected = sum(seen) / len(seen) if seen else config.default_output_tokens
-        seen.append(max_tokens[i])
-        request = RoutingRequest(len(prompts[i]), max(1, round(min(max_tokens[i], expected))))
-        busy = sum(rep.busy_s for rep in fleet) / (len(fleet) * now) if now > 0 else 0.0
-        k = int(score_replicas(step, shape, [str(x) for x in range(len(fleet))], loads, cached, request,
-                               config.load_bound, config.affinity_margin, rng,
-                               fleet_sequences=max(p[1] for p in peaks), fleet_busy=busy).order[0])
-        sends[k].append((now, len(prompts[i]) - cached[k], len(prompts[i]), me))
+        k = scoring.choose(i, fleet, hits, now, loads)
+        sends[k].append((now, len(prompts[i]) - cached_tokens(hits[k], len(prompts[i]), shape.block_size),
+                         len(prompts[i]), me))
         return k
 
     return choose
