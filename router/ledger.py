@@ -165,22 +165,11 @@ class RequestLedger:
             done.append(replace(routed, completed_at=now))
             self._bump(replica)
 
-    def covered_until(self, replica: str, time_s: float) -> None:
-        """A report of `replica` taken at `time_s` counts every completion before it (and so does
-        every later report): they are corrections no more."""
-        done = self._completed.get(replica)
-        if done and done[0].completed_at < time_s:
-            while done and done[0].completed_at < time_s:
-                done.popleft()
-            self._bump(replica)
 
-    def sent_on(self, key: str) -> Optional[Tuple[str, Routed]]:
-        """(replica, what counts there) for request `key` while it counts in flight; else None."""
+    def sent_on(self, key: str) -> Optional[Routed]:
+        """What counts for request `key` on its replica while it counts in flight; else None."""
         entry = self._entries.get(key)
-        if entry is None or entry.replica is None:
-            return None
-        routed = self._inflight.get(entry.replica, {}).get(key)
-        return None if routed is None else (entry.replica, routed)
+        return None if entry is None or entry.replica is None else self._inflight[entry.replica].get(key)
 
     def sent_elsewhere(self, replica: str, routed: Routed, report: Optional[Report], now: float) -> None:
         """Another router sent `routed` to `replica`: it counts there until a report does (`report`:
@@ -199,13 +188,18 @@ class RequestLedger:
         self._bump(replica)
 
     def reported(self, replica: str, report: Report) -> None:
-        """A new report of `replica`: the other routers' requests it counts, or that ended before it
-        (sent more than FOREIGN_GRACE_S earlier and not counted), count through its reports now."""
+        """A new report of `replica`. It counts every completion before it (and so does every later
+        report): they are corrections no more. The other routers' requests it counts, or that ended
+        before it (sent more than FOREIGN_GRACE_S earlier and not counted), count through its
+        reports from now on."""
+        done, time_s = self._completed.get(replica), report.time_s
+        if done and done[0].completed_at < time_s:
+            while done and done[0].completed_at < time_s:
+                done.popleft()
+            self._bump(replica)
         foreign = self._foreign.get(replica)
-        if not foreign:
-            return
-        gone = [k for k, r in foreign.items()
-                if counted_in(report, r) or r.routed_at < report.time_s - FOREIGN_GRACE_S]
+        gone = [k for k, r in (foreign or {}).items()
+                if counted_in(report, r) or r.routed_at < time_s - FOREIGN_GRACE_S]
         for key in gone:
             del foreign[key]
             self._inflight[replica].pop(key, None)

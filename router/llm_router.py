@@ -212,7 +212,6 @@ class LLMRouter(RequestRouter):
         if report is not None:
             self._lora_ids.update(report.loras)
             self.index.set_capacity(rid, report.kv_blocks_total)
-            self.ledger.covered_until(rid, report.time_s)
             self.ledger.reported(rid, report)
         self._reports[rid] = (stats, report)
         return report
@@ -231,8 +230,7 @@ class LLMRouter(RequestRouter):
             cached = self._cached_tokens(request, self.index.matched_blocks(request.hashes).get(rid, 0))
         self.ledger.routed(key, rid, cached, time.time())
         if request is not None:
-            sent = self.ledger.sent_on(key)
-            self.sync.learned(rid, request.hashes, sent[1] if sent and sent[0] == rid else None)
+            self.sync.learned(rid, request.hashes, self.ledger.sent_on(key))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """No longer in flight; but the replica's latest report may still count it (it was taken
