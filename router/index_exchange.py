@@ -78,7 +78,7 @@ class IndexExchange:
         news = [entry for _, src, entry in itertools.islice(self._log, max(0, cursor + 1 - start), None)
                 if src != router]
         c = self.counts
-        c["pulls"], c["entries_out"] = c["pulls"] + 1, c["entries_out"] + len(news)
+        c["entries_out"] += len(news)
         c["hashes_out"] += sum(len(e[1]) for e in news)
         return self._seq, news, self._others(router)
 
@@ -111,6 +111,7 @@ class ExchangeBoard:
     async def pull(self, deployment: str, router: str, cursor: Optional[int], wait_s: float):
         """IndexExchange.pull, waiting up to `wait_s` for another router's entries if there are none."""
         exchange, loop = self._exchange(deployment), asyncio.get_running_loop()
+        exchange.counts["pulls"] += 1  # one a call, however often it looks while it waits
         deadline = loop.time() + wait_s
         while True:
             cursor, news, others = exchange.pull(router, cursor)

@@ -59,7 +59,7 @@ def test_the_boards_long_poll_returns_when_another_router_pushes_and_keeps_deplo
         assert news == [("r1", H[:2], None, None)] and others is True and woke < 1.0
         assert (await other)[1] == []  # another deployment's push is not its news: empty after its wait
         stats = (await board.stats())["deployments"]["app/LLMServer"]
-        assert stats["entries_in"] == 2 and stats["hashes_out"] == 2
+        assert stats["entries_in"] == 2 and stats["hashes_out"] == 2 and stats["pulls"] == 2  # b's two calls
     asyncio.run(main())
 
 
