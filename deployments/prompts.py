@@ -16,6 +16,7 @@ import pydantic
 from deployments.adapters import BASE, ResolvedModel
 from deployments.errors import APIError, engine_error
 from deployments.limits import RequestLimits
+from deployments.piece_tokenizer import PieceTokenizer
 from deployments.protocol import GenerateRequest, PreparedRequest
 from deployments.tool_calls import render_chat
 
@@ -28,26 +29,31 @@ def chat_text(tokenizer, request: GenerateRequest) -> str:
     return render_chat(tokenizer, messages, tools)
 
 
-def prompt_token_ids(tokenizer, request: GenerateRequest) -> List[int]:
+def prompt_token_ids(tokenizer, request: GenerateRequest,
+                     encode: Optional[Callable[[str], List[int]]] = None) -> List[int]:
+    """`encode`: text -> ids, the tokenizer's own call unless given (a PieceTokenizer's: the same ids)."""
+    encode = encode or (lambda text: tokenizer(text)["input_ids"])
     if request.messages is not None:
-        return tokenizer(chat_text(tokenizer, request))["input_ids"]
+        return encode(chat_text(tokenizer, request))
     if isinstance(request.prompt, str):
-        return tokenizer(request.prompt)["input_ids"] if request.prompt else []
+        return encode(request.prompt) if request.prompt else []
     return list(request.prompt)
 
 
 def prepare(tokenizer, request: Union[GenerateRequest, dict], limits: RequestLimits,
-            resolve: Optional[Callable[[Optional[str]], ResolvedModel]] = None) -> PreparedRequest:
+            resolve: Optional[Callable[[Optional[str]], ResolvedModel]] = None,
+            encode: Optional[Callable[[str], List[int]]] = None) -> PreparedRequest:
     """Validates a request (sizes before tokenizing, token ids after), gives it an id, its prompt's
     token ids and max_tokens (None: the rest of the context window), and its `model` resolved to a
-    LoRA adapter by `resolve` (AdapterRegistry.resolve; None: only the base). Errors are APIErrors:
+    LoRA adapter by `resolve` (AdapterRegistry.resolve; None: only the base); text tokenized by
+    `encode` (prompt_token_ids). Errors are APIErrors:
     400, or 404 for a model that is not served."""
     try:
         if not isinstance(request, GenerateRequest):
             request = GenerateRequest.model_validate(request)
         lora = resolve(request.model) if resolve is not None else BASE
         limits.check_request(request)
-        ids = prompt_token_ids(tokenizer, request)
+        ids = prompt_token_ids(tokenizer, request, encode)
         limits.check_tokens(request.prompt_param, ids)
         max_tokens = request.max_tokens or max(1, limits.max_model_len - len(ids))
         return PreparedRequest(request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
@@ -67,13 +73,15 @@ class PromptPreparer:
     2,000-token turn ~3 ms here, more on a loaded machine); on the ingress's event loop they held up
     every stream it relays and every routing decision made there, and a wave of chats queued behind
     each other's (docs/routing.md). The tokenizer lets the loop run while it works. One thread: a
-    tokenizer is not guaranteed safe to share between threads."""
+    tokenizer is not guaranteed safe to share between threads, nor is the PieceTokenizer that
+    remembers the conversations' pieces (a chat's history is tokenized once, not every turn)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.pieces = PieceTokenizer(tokenizer)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
 
     async def __call__(self, request: Union[GenerateRequest, dict], limits: RequestLimits,
                        resolve: Optional[Callable[[Optional[str]], ResolvedModel]] = None) -> PreparedRequest:
         return await asyncio.get_running_loop().run_in_executor(
-            self._thread, prepare, self.tokenizer, request, limits, resolve)
+            self._thread, prepare, self.tokenizer, request, limits, resolve, self.pieces.encode)

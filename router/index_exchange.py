@@ -37,10 +37,27 @@ from router.scoring import Routed
 
 log = logging.getLogger(__name__)
 
-# (replica id, a chain of block hashes cached there (root first), the request sent there or None,
-# the id of a request sent there whose prompt's chain these hashes continue (its answer) or None)
-Entry = Tuple[str, List[BlockHash], Optional[Routed], Optional[str]]
+# (replica id, a chain of block hashes cached there (root first) joined into one bytes, the request
+# sent there as (routed_at, prompt_tokens, uncached_tokens, request_id) or None, the id of a request
+# sent there whose prompt's chain these hashes continue (its answer) or None). Builtins only: Serve
+# pickles the router's package by value (it registers the request router's module with cloudpickle),
+# so a Routed, or any class of router/, crossed with its whole class definition in every push and
+# pull (py-spy: ~5 ms of CPU a call on each side; the board 9% of a core at 10 pushes a second).
+Entry = Tuple[str, bytes, Optional[tuple], Optional[str]]
+HASH_BYTES = 32  # a BlockHash: a SHA-256 digest
 MAX_KEPT_HASHES = 500_000  # per router: the prompts' chains kept until their answers continue them
+
+
+def pack(replica: str, hashes: Sequence[BlockHash], sent: Optional[Routed] = None,
+         extends: Optional[str] = None) -> Entry:
+    send = None if sent is None else (sent.routed_at, sent.prompt_tokens, sent.uncached_tokens, sent.request_id)
+    return replica, b"".join(hashes), send, extends
+
+
+def unpack(entry: Entry) -> Tuple[str, List[BlockHash], Optional[Routed], Optional[str]]:
+    replica, joined, send, extends = entry
+    hashes = [joined[i:i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
+    return replica, hashes, None if send is None else Routed(*send), extends
 
 
 class IndexExchange:
@@ -61,12 +78,12 @@ class IndexExchange:
         for entry in entries:
             self._seq += 1
             self._log.append((self._seq, router, entry))
-            self._hashes += len(entry[1])
+            self._hashes += len(entry[1]) // HASH_BYTES
         while (self._hashes > self.max_hashes or len(self._log) > self.max_entries) and self._log:
-            self._hashes -= len(self._log.popleft()[2][1])
+            self._hashes -= len(self._log.popleft()[2][1]) // HASH_BYTES
         c = self.counts
         c["pushes"], c["entries_in"] = c["pushes"] + 1, c["entries_in"] + len(entries)
-        c["hashes_in"] += sum(len(e[1]) for e in entries)
+        c["hashes_in"] += sum(len(e[1]) for e in entries) // HASH_BYTES
         return self._others(router)
 
     def pull(self, router: str, cursor: Optional[int]) -> Tuple[int, List[Entry], bool]:
@@ -79,7 +96,7 @@ class IndexExchange:
                 if src != router]
         c = self.counts
         c["entries_out"] += len(news)
-        c["hashes_out"] += sum(len(e[1]) for e in news)
+        c["hashes_out"] += sum(len(e[1]) for e in news) // HASH_BYTES
         return self._seq, news, self._others(router)
 
     def _heard(self, router: str) -> None:
@@ -163,7 +180,7 @@ class IndexSync:
         past = extends[1] if extends is not None else 0  # the others have the prompt's blocks from its send
         if self._task is None or not self._others or not (len(hashes) > past or sent):
             return
-        self._outbox.append((replica, list(hashes[past:]), sent, extends and extends[0]))
+        self._outbox.append(pack(replica, hashes[past:], sent, extends and extends[0]))
         if not self._flushing:
             self._flushing = True
             self._loop.call_soon_threadsafe(self._flush_soon)
@@ -208,7 +225,7 @@ class IndexSync:
                     self._cursor = None  # the next actor starts a new log
                 await asyncio.sleep(self.period_s)
                 continue
-            for replica, hashes, sent, extends in news:
+            for replica, hashes, sent, extends in map(unpack, news):
                 if extends is not None:  # an answer: its prompt's chain, as sent, then its own blocks
                     prompt = self._prompts.pop(extends, None)
                     if prompt is None:  # sent before this router joined, or forgotten: the reports will do
