@@ -15,7 +15,7 @@ from batcher.engine_request import EngineChoice, EngineRequest
 from batcher.errors import InvalidRequestError, StepError
 from batcher.grammar import ConstrainedRows
 from batcher.model_loader import (context_length, eos_token_ids, load_model, load_tokenizer, resolve_device,
-                                  resolve_dtype)
+                                  resolve_dtype, resolve_quantization)
 from batcher.model_runner import ModelRunner
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice
 from batcher.paged_attention import KVCache
@@ -45,7 +45,7 @@ class LLMEngine:
         else:
             self.dtype = resolve_dtype(config.dtype, self.device)
             model, self.tokenizer = load_model(config.model, self.dtype, self.device, config.seed,
-                                               config.quantization)
+                                               resolve_quantization(config.quantization, config.dtype, self.dtype))
             mcfg = model.config
             self.eos_token_ids = eos_token_ids(model, self.tokenizer)
         # The engine thread detokenizes while callers encode: give it its own tokenizer object.

@@ -6,6 +6,7 @@ tokenizer: for fast tests), or any local HF model directory or hub id.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from filelock import FileLock
 
 from batcher import simulated
 from batcher.quantization import QUANTIZATIONS, quantize_linears
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-llama"
@@ -207,6 +210,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         native_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
         return torch.bfloat16 if native_bf16 else torch.float32
     return getattr(torch, dtype)
+
+
+def resolve_quantization(quantization: Optional[str], dtype_setting: str, dtype: torch.dtype) -> Optional[str]:
+    """The weights' quantization. int8 weights run with bfloat16 or float16 activations; where `dtype:
+    auto` resolved to float32 (a CPU without native bf16, where bf16 products are emulated and slower
+    than float32), the weights stay float32 too, with a warning: the shipped config (`auto` with `int8`)
+    serves on every CPU. float32 asked for by name with int8 stays an error (load_model)."""
+    if quantization and dtype_setting == "auto" and dtype == torch.float32:
+        logger.warning("quantization %s needs bfloat16 activations, which this device does not compute "
+                       "natively (no AVX512_BF16 or AMX): serving float32 weights, unquantized", quantization)
+        return None
+    return quantization
 
 
 def eos_token_ids(model, tokenizer) -> set:
