@@ -81,11 +81,27 @@ def design(samples: List[Sample], column: int) -> Tuple[torch.Tensor, torch.Tens
     return x, torch.tensor([s[column] for s in samples], dtype=torch.float64)
 
 
+def nonnegative_lstsq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """argmin |a c - b| over c >= 0, exactly: the optimum is the plain least squares over the columns
+    it does not zero, so every subset of columns is tried (four terms: 15 small solves)."""
+    n = a.shape[1]
+    best, best_error = torch.zeros(n, dtype=a.dtype), float((b * b).sum())
+    for mask in range(1, 2 ** n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sol = torch.linalg.lstsq(a[:, cols], b.unsqueeze(1)).solution.squeeze(1)
+        error = float(((a[:, cols] @ sol - b) ** 2).sum())
+        if bool((sol >= 0).all()) and error < best_error:
+            best, best_error = torch.zeros(n, dtype=a.dtype).index_copy(0, torch.tensor(cols), sol), error
+    return best
+
+
 def fit(samples: List[Sample], column: int = 3) -> Tuple[List[float], float]:
     """Coefficients (fixed, prefill, decode, context) minimising the squared relative error of the
-    time in `column`, so short decode steps weigh as much as long prefills, and the mean relative error."""
+    time in `column`, so short decode steps weigh as much as long prefills, and the mean relative error.
+    None is negative: every term costs time. Unconstrained, a few steps stalled by a busy machine
+    made the context term (or the fixed one) negative, which no step-time model can mean."""
     x, y = design(samples, column)
-    coef = torch.linalg.lstsq(x / y.unsqueeze(1), torch.ones_like(y).unsqueeze(1)).solution.squeeze(1)
+    coef = nonnegative_lstsq(x / y.unsqueeze(1), torch.ones_like(y))
     error = ((x @ coef - y).abs() / y).mean().item()
     return coef.tolist(), error
 

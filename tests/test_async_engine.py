@@ -239,7 +239,7 @@ def test_callers_read_a_published_snapshot_never_the_engine_queues():
             seen = []
             while not all(t.done() for t in tasks):
                 seen.append((e.stats().running, e.snapshot().held_request_ids))
-                await asyncio.sleep(0)
+                await asyncio.sleep(0.001)  # a reader spinning on sleep(0) starved the engine thread of the GIL
             await asyncio.gather(*tasks)
             return seen
 
