@@ -11,9 +11,11 @@ simulated replicas, TTFT p90 1.3x what one router reached; in a replay, other ro
 be known within ~10 ms to avoid it, and a report every 0.1 s did not).
 
 So routers share both through an `IndexExchange` per deployment, off the decision's path: a router
-pushes each entry (a replica, a chain cached there, and the request sent there, if the entry is a
-send) as soon as its loop is free, batched with whatever else came meanwhile, and keeps one long
-poll waiting for the others' entries, which returns as soon as one is pushed. A router alone (no
+pushes each send (a replica, the prompt's chain, the request sent there) as soon as its loop is free,
+batched with whatever else came meanwhile, and keeps one long poll waiting for the others' entries,
+which returns as soon as one is pushed. An answer's entry (its blocks past the prompt) is needed only
+by the conversation's next turn, seconds later: it waits up to `ANSWER_DELAY_S` to ride with a send's
+push (each push costs an actor call and wakes every other router's poll: two calls more). A router alone (no
 other router heard from lately) pushes nothing; its poll returns every `share_index_s` with nothing.
 The exchanges of every deployment live in one small async actor per cluster (`ExchangeBoard`, one
 worker process), owned by the process that made it (an ingress replica): it goes with it, and the
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 Entry = Tuple[str, bytes, Optional[tuple], Optional[str]]
 HASH_BYTES = 32  # a BlockHash: a SHA-256 digest
 MAX_KEPT_HASHES = 500_000  # per router: the prompts' chains kept until their answers continue them
+ANSWER_DELAY_S = 0.2  # an entry without a send waits this long at most for a send's push
 
 
 def pack(replica: str, hashes: Sequence[BlockHash], sent: Optional[Routed] = None,
@@ -166,6 +169,7 @@ class IndexSync:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None  # the long poll
         self._flushing = False  # a push is scheduled or in flight
+        self._delayed = False  # a push of entries without a send is due within ANSWER_DELAY_S
         # Other routers' sends, by request id: an answer's entry carries only the blocks past its
         # prompt (its chain repeats the prompt's, half of what the routers would push otherwise).
         self._prompts: "OrderedDict[str, List[BlockHash]]" = OrderedDict()
@@ -176,14 +180,26 @@ class IndexSync:
         """`hashes` (a chain) is cached on `replica`, as far as this router knows, and (`sent`) this
         router has just sent it that request, or (`extends`: its id and its prompt's block count) the
         chain is that request's prompt and answer: for the others, pushed as soon as the loop is free
-        (kept only while sharing, and not while this router is alone). Safe from any thread."""
+        if a send, else within ANSWER_DELAY_S (kept only while sharing, and not while this router is
+        alone). Safe from any thread."""
         past = extends[1] if extends is not None else 0  # the others have the prompt's blocks from its send
         if self._task is None or not self._others or not (len(hashes) > past or sent):
             return
         self._outbox.append(pack(replica, hashes[past:], sent, extends and extends[0]))
-        if not self._flushing:
+        if self._flushing:
+            return
+        if sent is not None:
             self._flushing = True
             self._loop.call_soon_threadsafe(self._flush_soon)
+        elif not self._delayed:
+            self._delayed = True
+            self._loop.call_soon_threadsafe(self._loop.call_later, ANSWER_DELAY_S, self._flush_delayed)
+
+    def _flush_delayed(self) -> None:
+        self._delayed = False
+        if not self._flushing and self._outbox:  # (else a send's push took them, or is about to)
+            self._flushing = True
+            self._flush_soon()
 
     def start(self, apply: Callable[[str, List[BlockHash], Optional[Routed]], None], board=None) -> None:
         """From the router's loop: shares from now on, through `board` (default: the cluster's

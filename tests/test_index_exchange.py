@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.index_exchange import ExchangeBoard, IndexExchange, pack, unpack
+from router.index_exchange import ANSWER_DELAY_S, ExchangeBoard, IndexExchange, IndexSync, pack, unpack
 from router.ledger import FOREIGN_GRACE_S
 from router.scoring import Routed
 from tests.router_harness import SYSTEM, blocks, make_router, replica, request, serving  # noqa: F401
@@ -123,7 +123,7 @@ def test_two_routers_sharing_route_a_turn_where_the_other_sent_the_last_one(serv
     serve_a.complete("k1", where)
     a.record_answer("t1", turn1, answer)
     a.sync.learned("gone", blocks(list(range(9000, 9100))))  # a replica b was never given
-    serve_a.run(asyncio.sleep(0.02))  # a pushes
+    serve_a.run(asyncio.sleep(ANSWER_DELAY_S + 0.05))  # a pushes (the send at once, the answer within the delay)
     serve_b.run(asyncio.sleep(0.02))  # b pulls
     turn2 = turn1 + answer + [7, 8, 9]
     answered = (len(turn1) + len(answer) - 1) // 8  # the answer's last token is never computed
@@ -217,8 +217,6 @@ def test_pushes_and_polls_run_outside_the_request_that_started_them():
     when the request ends (a streamed answer's does): IndexSync's tasks start with contexts of their own."""
     import contextvars
 
-    from router.index_exchange import IndexSync
-
     request = contextvars.ContextVar("request", default=None)
     seen = []
 
@@ -238,8 +236,42 @@ def test_pushes_and_polls_run_outside_the_request_that_started_them():
         sync.start(lambda *entry: None, Board())
         await asyncio.sleep(0.02)
         sync.learned("r1", H[:2])
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(ANSWER_DELAY_S + 0.05)
         sync._task.cancel()
 
     asyncio.run(main())
     assert ("push", None) in seen and ("pull", None) in seen and all(ctx is None for _, ctx in seen)
+
+
+def test_an_answers_entry_rides_with_the_next_send_or_goes_alone_within_the_delay():
+    """A send is pushed at once; an answer's entry (no send) waits for one, up to ANSWER_DELAY_S: a
+    push is an actor call, and wakes every other router's poll."""
+    pushes = []
+
+    class Board:
+        async def push(self, deployment, router, entries):
+            pushes.append([entry[2] is not None for entry in entries])  # which entries were sends
+            return True
+
+        async def pull(self, deployment, router, cursor, wait_s):
+            await asyncio.sleep(0.01)
+            return 0, [], True
+
+    async def main():
+        sync = IndexSync(0.01, "app/LLMServer")
+        sync.start(lambda *entry: None, Board())
+        await asyncio.sleep(0.02)
+        sync.learned("r1", H[:3], extends=("q0", 1))  # q0's answer
+        await asyncio.sleep(ANSWER_DELAY_S / 4)
+        assert pushes == []
+        sync.learned("r1", H[:4], Routed(time.time(), 32, 8, "q1"))  # a send: now, the answer with it
+        await asyncio.sleep(0.02)
+        assert pushes == [[False, True]]
+        sync.learned("r2", H[:5], extends=("q1", 4))  # an answer, no send after it
+        await asyncio.sleep(ANSWER_DELAY_S / 2)
+        assert len(pushes) == 1
+        await asyncio.sleep(ANSWER_DELAY_S)
+        assert pushes == [[False, True], [False]]
+        sync._task.cancel()
+
+    asyncio.run(main())
