@@ -15,8 +15,9 @@ pushes each send (a replica, the prompt's chain, the request sent there) as soon
 batched with whatever else came meanwhile, and keeps one long poll waiting for the others' entries,
 which returns as soon as one is pushed. An answer's entry (its blocks past the prompt) is needed only
 by the conversation's next turn, seconds later: it waits up to `ANSWER_DELAY_S` to ride with a send's
-push (each push costs an actor call and wakes every other router's poll: two calls more). A router alone (no
-other router heard from lately) pushes nothing; its poll returns every `share_index_s` with nothing.
+push (each push costs an actor call and wakes every other router's poll: two calls more). A router
+alone (no other router heard from lately) pushes nothing; its poll returns every `share_index_s`
+with nothing.
 The exchanges of every deployment live in one small async actor per cluster (`ExchangeBoard`, one
 worker process), owned by the process that made it (an ingress replica): it goes with it, and the
 next call makes a new one (what routers learn is soft state).
