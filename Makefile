@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 model: install
-	$(BIN)/python -m batcher.model_loader
+	$(BIN)/python -m batcher.model_files
 
 # Ctrl-C stops the app and the local Ray cluster `serve run` started (tests/test_make_serve.py).
 SERVE_CONFIG ?= serve_config.yaml

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from batcher import precompiled_forward
-from batcher.model_loader import cache_home
+from batcher.model_files import cache_home
 from batcher.paged_attention import PagedMetadata
 
 logger = logging.getLogger(__name__)

@@ -14,11 +14,9 @@ from batcher.config import EngineConfig
 from batcher.engine_request import EngineChoice, EngineRequest
 from batcher.errors import InvalidRequestError, StepError
 from batcher.grammar import ConstrainedRows
-from batcher.model_loader import (context_length, eos_token_ids, load_model, load_tokenizer, resolve_device,
-                                  resolve_dtype, resolve_quantization)
-from batcher.model_runner import ModelRunner
+from batcher.model_files import context_length, load_tokenizer
+from batcher.model_loader import eos_token_ids, load_model, resolve_device, resolve_dtype, resolve_quantization
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice
-from batcher.paged_attention import KVCache
 from batcher.lora_runtime import LoRARuntime
 from batcher.request_builder import Prompt, RequestBuilder
 from batcher.sampler import Sampler
@@ -65,6 +63,10 @@ class LLMEngine:
             self.runner = simulated.SimulatedRunner(self.simulation, answer_ids, self.tokenizer.eos_token_id)
             self.sampler = simulated.SimulatedSampler()
         else:
+            # Here, not at the top: a simulated replica never imports the forward's modules (transformers'
+            # attention integrations and torch's compiler: ~3 s of CPU a replica start on a Zen 3 core).
+            from batcher.model_runner import ModelRunner
+
             self.runner = ModelRunner(
                 model, num_blocks, config.block_size, self.dtype, self.device, config.attention_backend,
                 compile=config.compile, max_num_seqs=config.max_num_seqs,
@@ -83,6 +85,8 @@ class LLMEngine:
         self.trace = OccupancyTrace(config.trace_steps) if config.trace_steps else None
 
     def _blocks_for_memory(self, mcfg) -> int:
+        from batcher.paged_attention import KVCache  # the forward's module (see ModelRunner's import)
+
         c = self.config
         per_block = KVCache.bytes_per_block(mcfg, c.block_size, self.dtype)
         # No more than the batch could ever fill (small models would otherwise get millions).

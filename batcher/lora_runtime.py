@@ -155,7 +155,7 @@ def _local(path: str, name: str) -> str:
     except ImportError:
         raise InvalidRequestError(f"LoRA adapter {name!r}: {path} is a URI; install fsspec (and its "
                                   "filesystem) to load adapters from it", PARAM) from None
-    from batcher.model_loader import cache_home
+    from batcher.model_files import cache_home
 
     target = cache_home() / "lora" / name
     try:

@@ -53,7 +53,7 @@ def _cancel(response) -> None:
 class OpenAIIngress:
     def __init__(self, llm: DeploymentHandle, model_name: str, engine_model: str,
                  ingress_config: Optional[dict] = None):
-        from batcher.model_loader import load_tokenizer
+        from batcher.model_files import load_tokenizer
 
         self.config = IngressConfig.model_validate(ingress_config or {})
         self.api_keys = load_api_keys(self.config.api_keys_env, self.config.api_key_file)  # fails the deploy

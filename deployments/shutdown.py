@@ -12,7 +12,7 @@ from typing import Optional
 
 from batcher import simulated
 from batcher.config import EngineConfig
-from batcher.model_loader import context_length, is_local_model, model_config
+from batcher.model_files import context_length, is_local_model, model_config
 
 # Seconds per token of the embedded model at 64 sequences on 2 CPU cores (measured step ~0.25 s).
 CPU_TOKEN_S = 0.3

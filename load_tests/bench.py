@@ -153,7 +153,7 @@ def trace_token_range(args, target: Target) -> tuple:
     when that tokenizer cannot be loaded here (fine while the server's vocabulary is at least as large)."""
     import httpx
 
-    from batcher.model_loader import EMBEDDED_MODEL, load_tokenizer
+    from batcher.model_files import EMBEDDED_MODEL, load_tokenizer
     from load_tests.workload import text_token_range
 
     name = args.tokenizer or target.model

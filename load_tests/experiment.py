@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from batcher.model_loader import EMBEDDED_MODEL
+from batcher.model_files import EMBEDDED_MODEL
 from cluster.local_serve import free_port, local_serve
 from load_tests.arrivals import parse_rates
 from load_tests.bench import sweep
@@ -118,7 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                 by_system[mode] = run_sweep(mode, Target(url), requests, args, slos)
                 serve.delete(mode)
     if "peer" in systems:
-        from batcher.model_loader import embedded_model_dir
+        from batcher.model_files import embedded_model_dir
 
         model_dir = str(embedded_model_dir()) if args.model == EMBEDDED_MODEL else args.model
         with peer_server(model_dir, args.peer_port or free_port(), out / "peer.log", args.peer_start_timeout_s) as url:

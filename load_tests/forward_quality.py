@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from batcher.model_loader import EMBEDDED_MODEL, load_model
+from batcher.model_files import EMBEDDED_MODEL
+from batcher.model_loader import load_model
 from batcher.quantization import Int8WeightLinear
 
 TEXT = Path(__file__).with_name("forward_quality.txt")

@@ -36,7 +36,7 @@ def build_model_dir(config_path: Path, tiny: bool, device: torch.device, out: Pa
     built and saved in `dtype` (bf16: half an 8B model's 32 GB in fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from batcher.model_loader import load_tokenizer
+    from batcher.model_files import load_tokenizer
 
     cfg = LlamaConfig(**{**json.loads(config_path.read_text()), **(TINY if tiny else {})})
     torch.manual_seed(0)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from batcher.model_files import embedded_gguf
 from load_tests.servers import process_group
 
 DEFAULT_THREADS = 2
@@ -51,8 +52,6 @@ def llamacpp_server(port: int, log_path: Path, model_path: Optional[str] = None,
     threads, `slots` parallel sequences, `http_threads` (default 4 x slots; more than the connections
     a caller ever holds at once); yields its base URL."""
     if model_path is None:
-        from batcher.model_loader import embedded_gguf  # imports torch: kept out of the server process
-
         model_path = str(embedded_gguf())
     cmd = [sys.executable, "-m", "load_tests.llamacpp_server", "--model", model_path, "--port", str(port),
            "--threads", str(threads), "--slots", str(slots), "--ctx-per-slot", str(ctx_per_slot)]
@@ -75,8 +74,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import xllamacpp
 
     if args.model is None:
-        from batcher.model_loader import embedded_gguf
-
         args.model = str(embedded_gguf())
     params = server_params(args.model, args.port, args.threads, args.slots,
                            args.ctx_per_slot, args.http_threads)

@@ -41,7 +41,7 @@ def occupancy_pair(model: str, num_requests: int = 24, slots: int = 8, prompt_le
                    mean_output: float = 12.0, cap: int = 48, seed: int = 0,
                    threads: int = 0) -> List[Tuple[str, OccupancyTrace, dict]]:
     """Static, then continuous, on the same requests: [(label, trace, stats)]."""
-    from batcher.model_loader import load_tokenizer
+    from batcher.model_files import load_tokenizer
 
     prompts = random_prompts(num_requests, prompt_len, text_token_range(load_tokenizer(model)), seed)
     lengths = capped_lengths(exponential_draws(num_requests, mean_output, seed), cap)

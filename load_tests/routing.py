@@ -29,7 +29,7 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from batcher.model_loader import load_tokenizer
+from batcher.model_files import load_tokenizer
 from batcher.simulated import preset_for
 from cluster.local_serve import local_serve
 from load_tests.bench_client import Target, run_load

@@ -91,7 +91,7 @@ def run_system(name: str, args, requests) -> dict:
         server = serve_run(args.config, free_port(), out / "iterserve.log", args.start_timeout_s, args_update=update)
         target_of = lambda url: Target(url)  # noqa: E731
     else:
-        from batcher.model_loader import embedded_model_dir
+        from batcher.model_files import embedded_model_dir
 
         model_dir = args.model_dir or str(embedded_model_dir())
         server = peer_server(model_dir, free_port(), out / "peer.log", args.start_timeout_s, args.engine_threads)

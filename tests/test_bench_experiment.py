@@ -92,8 +92,11 @@ def test_experiment_report_from_real_sweeps_writes_plots_page_and_json(serve_clu
     urls = {"static": serve_cluster.deploy("bench-static", static_cfg), "continuous": tiny_app}
     args = experiment.parse_args(["--quick", "--model", "tiny-llama", "--rates", "4,16", "--timeout-s", "60"])
     requests = experiment.variance_requests(args.num_requests, 12, args.mean_output, args.cap, "chat", 0)
-    by_system = {name: experiment.run_sweep(name, experiment.Target(url), requests, args, {"ttft": 5000})
-                 for name, url in urls.items()}
+    try:
+        by_system = {name: experiment.run_sweep(name, experiment.Target(url), requests, args, {"ttft": 5000})
+                     for name, url in urls.items()}
+    finally:  # an idle app still costs the cluster ~0.08 of a core (Serve's and Ray's loops): not for the whole suite
+        serve_cluster.delete("bench-static")
     occupancy = occupancy_pair("tiny-llama", num_requests=12, slots=4, threads=1)
     result = write_report(tmp_path, args, by_system, occupancy, {"ttft": 5000}, 1.0)
     page = (tmp_path / "index.html").read_text()

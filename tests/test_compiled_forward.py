@@ -92,7 +92,7 @@ print(json.dumps({"mode": engine.runner.forward.mode, "precompiled": engine.runn
 
 def _child_engine(home, max_num_seqs: int = 8) -> dict:
     """An engine in a new process with ITERSERVE_HOME=home (the embedded tokenizer linked in)."""
-    from batcher.model_loader import cache_home
+    from batcher.model_files import cache_home
 
     env = {**os.environ, "ITERSERVE_HOME": str(home)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)

@@ -1,6 +1,6 @@
 """IncrementalDetokenizer: text equals a one-shot decode, stop strings cut at the earliest match."""
 from batcher.detokenizer import IncrementalDetokenizer
-from batcher.model_loader import load_tokenizer
+from batcher.model_files import load_tokenizer
 
 TOK = load_tokenizer("smollm2-135m-instruct")
 

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from batcher import EngineConfig, LLMEngine, SamplingParams
-from batcher.model_loader import load_tokenizer
+from batcher.model_files import load_tokenizer
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

@@ -64,7 +64,7 @@ def test_ratios_and_targets():
 
 
 def _embedded_tokenizer_present() -> bool:
-    from batcher.model_loader import EMBEDDED_MODEL, cache_home
+    from batcher.model_files import EMBEDDED_MODEL, cache_home
 
     return (cache_home() / "models" / EMBEDDED_MODEL / "model.safetensors").exists()
 

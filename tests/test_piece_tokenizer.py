@@ -9,7 +9,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from batcher.model_loader import load_tokenizer
+from batcher.model_files import load_tokenizer
 from deployments.piece_tokenizer import PieceTokenizer
 from deployments.prompts import PromptPreparer, prepare
 from deployments.protocol import GenerateRequest

@@ -56,7 +56,7 @@ def test_the_benchmark_prints_the_replayed_ttfts_beside_the_measured_ones(capsys
 
 
 def test_a_chat_run_replays_each_turn_with_its_history_in_send_order():
-    from batcher.model_loader import load_tokenizer
+    from batcher.model_files import load_tokenizer
     from deployments.prompts import prompt_token_ids
     from deployments.protocol import GenerateRequest
     from load_tests.bench_client import BenchRecord, BenchRequest

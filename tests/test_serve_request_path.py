@@ -66,7 +66,7 @@ def test_the_replica_takes_only_prepared_requests(smol_app):
 def test_prepare_templates_tokenizes_and_resolves_max_tokens_once():
     """What every request becomes at the ingress: the chat template's token ids (as the offline
     engine would compute them), an id, and max_tokens=None as the rest of the context window."""
-    from batcher.model_loader import load_tokenizer
+    from batcher.model_files import load_tokenizer
     from deployments.config import LimitsConfig
     from deployments.limits import RequestLimits
     from deployments.prompts import prepare
@@ -91,7 +91,7 @@ def test_the_ingress_prepares_off_its_event_loop():
     import asyncio
     import time
 
-    from batcher.model_loader import load_tokenizer
+    from batcher.model_files import load_tokenizer
     from deployments.config import LimitsConfig
     from deployments.limits import RequestLimits
     from deployments.prompts import PromptPreparer

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from batcher import EngineConfig, LLMEngine
-from batcher.model_loader import load_tokenizer
+from batcher.model_files import load_tokenizer
 from deployments.app import ConfigError, build_app, llm_deployment_options, load_config
 from deployments.shutdown import model_len
 

@@ -8,7 +8,7 @@ import pydantic
 import pytest
 from transformers import AutoTokenizer
 
-from batcher.model_loader import embedded_model_dir
+from batcher.model_files import embedded_model_dir
 from deployments.tool_calls import (FunctionCallDelta, FunctionDefinition, NamedToolChoice, ToolCall, ToolCallDelta,
                                     ToolChoice, check_tool_choice, constraint_schema, effective_tool_choice,
                                     render_chat)
