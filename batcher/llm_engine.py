@@ -14,7 +14,7 @@ from batcher.config import EngineConfig
 from batcher.engine_request import EngineChoice, EngineRequest
 from batcher.errors import InvalidRequestError, StepError
 from batcher.grammar import ConstrainedRows
-from batcher.model_files import context_length, load_tokenizer
+from batcher.model_files import context_length, kv_block_bytes, load_tokenizer
 from batcher.model_loader import eos_token_ids, load_model, resolve_device, resolve_dtype, resolve_quantization
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice
 from batcher.lora_runtime import LoRARuntime
@@ -85,10 +85,8 @@ class LLMEngine:
         self.trace = OccupancyTrace(config.trace_steps) if config.trace_steps else None
 
     def _blocks_for_memory(self, mcfg) -> int:
-        from batcher.paged_attention import KVCache  # the forward's module (see ModelRunner's import)
-
         c = self.config
-        per_block = KVCache.bytes_per_block(mcfg, c.block_size, self.dtype)
+        per_block = kv_block_bytes(mcfg, c.block_size, self.dtype.itemsize)
         # No more than the batch could ever fill (small models would otherwise get millions).
         most_useful = -(-c.max_num_seqs * self.max_model_len // c.block_size)
         memory_gib = c.kv_cache_memory_gib

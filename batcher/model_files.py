@@ -16,7 +16,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from filelock import FileLock
 
@@ -148,6 +148,19 @@ def context_length(model_cfg, requested: Optional[int] = None) -> int:
         raise ValueError(f"max_model_len {requested} exceeds what the model supports ({limit})")
     return requested or limit
 
+
+
+def kv_geometry(model_config) -> Tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a HF decoder config."""
+    c = model_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers, c.num_key_value_heads, head_dim
+
+
+def kv_block_bytes(model_config, block_size: int, dtype_bytes: int) -> int:
+    """What one KV block of `block_size` tokens takes across the model's layers (K and V)."""
+    num_layers, num_kv_heads, head_dim = kv_geometry(model_config)
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
 
 if __name__ == "__main__":  # `python -m batcher.model_files` (`make model`) prepares the embedded model.
     print(embedded_model_dir())

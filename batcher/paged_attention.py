@@ -9,22 +9,16 @@ through the model's kwargs, built once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from transformers import AttentionInterface
 
 import batcher.attention  # noqa: F401  registers torch.ops.iterserve.paged_attention
 from batcher.attention import cpu_kernel
+from batcher.model_files import kv_geometry
 
 ATTENTION_NAME = "iterserve_paged"
-
-
-def kv_geometry(model_config) -> Tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a HF decoder config."""
-    c = model_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return c.num_hidden_layers, c.num_key_value_heads, head_dim
 
 
 class KVCache:
@@ -53,11 +47,6 @@ class KVCache:
         with torch.no_grad():
             for cache in self.k + self.v:
                 cache.index_copy_(0, dst.to(cache.device), cache.index_select(0, src.to(cache.device)))
-
-    @staticmethod
-    def bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
-        num_layers, num_kv_heads, head_dim = kv_geometry(model_config)
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 @dataclass

@@ -59,6 +59,7 @@ def llm_deployment_options(cfg: AppConfig) -> dict:
         "max_queued_requests": r.max_queued_requests,
         "health_check_period_s": r.health_check_period_s,
         "health_check_timeout_s": r.health_check_timeout_s,
+        "max_replicas_per_node": r.max_replicas_per_node,
         # A leaving replica finishes its streams first (scale-down and redeploys lose nothing).
         "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s,
         "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s

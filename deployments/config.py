@@ -26,6 +26,9 @@ class ReplicaConfig(BaseModel):
     )
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (1 for the CUDA variant).")
     memory_gib: Optional[float] = Field(None, gt=0, description="Memory Ray reserves per replica.")
+    max_replicas_per_node: Optional[int] = Field(
+        None, ge=1, le=100, description="At most this many replicas on one node (a node's loss takes no "
+        "more); None: Serve spreads them as best it can.")
     max_ongoing_requests: int = Field(
         128, ge=1, description="Requests in flight per replica; beyond it they queue at the caller."
     )

@@ -162,7 +162,7 @@ def throughput(path: Path, device: torch.device, dtype: str, backend: str, batch
 
 def roofline(path: Path, device: torch.device, dtype: str, backend: str, batches: List[int], hbm_gbps: float) -> List[Dict]:
     """Decode step time of `b` sequences with ~context tokens each vs the bytes a step must read."""
-    from batcher.paged_attention import kv_geometry
+    from batcher.model_files import kv_geometry
 
     rows = []
     context, steps = 256, 32

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from batcher.paged_attention import KVCache
+from batcher.model_files import kv_block_bytes
 from load_tests.offline_report import add_ratios, check_targets, format_cap, format_targets
 from load_tests.systems import (
     Budgets, HFNaive, HFStatic, RunResult, System, TransformersCB, load_hf_model,
@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     load_at_start = os.getloadavg()[0]
     model, tokenizer = load_hf_model(args.model)
     num_kv_blocks = args.num_kv_blocks or int(
-        args.default_kv_gib * 2**30 // KVCache.bytes_per_block(model.config, args.block_size, torch.float32))
+        args.default_kv_gib * 2**30 // kv_block_bytes(model.config, args.block_size, torch.float32.itemsize))
     budgets = Budgets(args.max_num_seqs, args.max_num_batched_tokens, args.block_size, num_kv_blocks)
     token_range = text_token_range(tokenizer)
     workloads = variance_workloads(args.caps, args.num_prompts, args.prompt_len, args.mean_output,

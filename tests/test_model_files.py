@@ -40,7 +40,7 @@ from batcher.model_files import load_tokenizer
 load_tokenizer("sim:cpu-smollm2")
 seen = {"ingress_torch": "torch" in sys.modules}
 from batcher import EngineConfig, LLMEngine
-LLMEngine(EngineConfig(model="sim:cpu-smollm2", num_kv_blocks=64))
+LLMEngine(EngineConfig(model="sim:cpu-smollm2", max_num_seqs=4, max_model_len=512))  # KV sized from memory
 seen["sim_forward"] = sorted(m for m in ("batcher.model_runner", "batcher.paged_attention", "torch._dynamo")
                              if m in sys.modules)
 print(json.dumps(seen))

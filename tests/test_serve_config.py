@@ -37,11 +37,12 @@ def test_bad_config_names_the_field(args, field):
 
 def test_options_follow_the_config():
     pow2 = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"
-    cfg = load_config({"replica": {"num_replicas": 3, "num_cpus": 0.5, "max_ongoing_requests": 7},
+    cfg = load_config({"replica": {"num_replicas": 3, "num_cpus": 0.5, "max_ongoing_requests": 7,
+                                   "max_replicas_per_node": 2},
                        "router": {"request_router_class": pow2,
                                   "request_routing_stats_period_s": 0.5}})
     opts = llm_deployment_options(cfg)
-    assert opts["num_replicas"] == 3 and opts["max_ongoing_requests"] == 7
+    assert opts["num_replicas"] == 3 and opts["max_ongoing_requests"] == 7 and opts["max_replicas_per_node"] == 2
     assert opts["ray_actor_options"]["num_cpus"] == 0.5
     assert opts["request_router_config"].request_routing_stats_period_s == 0.5
 
