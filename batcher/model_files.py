@@ -149,7 +149,6 @@ def context_length(model_cfg, requested: Optional[int] = None) -> int:
     return requested or limit
 
 
-
 def kv_geometry(model_config) -> Tuple[int, int, int]:
     """(layers, KV heads, head dim) of a HF decoder config."""
     c = model_config
@@ -161,6 +160,7 @@ def kv_block_bytes(model_config, block_size: int, dtype_bytes: int) -> int:
     """What one KV block of `block_size` tokens takes across the model's layers (K and V)."""
     num_layers, num_kv_heads, head_dim = kv_geometry(model_config)
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+
 
 if __name__ == "__main__":  # `python -m batcher.model_files` (`make model`) prepares the embedded model.
     print(embedded_model_dir())

@@ -39,7 +39,8 @@ def app_config(max_replicas: int, slo_s: float = 1.0, startup_s: float = 10.0) -
         "engine": {"model": "sim:cpu-smollm2", "max_num_seqs": 4, "max_model_len": 512},
         "served_model_name": "sim",
         # Ray's SPREAD is best effort: on a loaded machine it once put all four on the head node.
-        "replica": {"num_cpus": 0, "max_ongoing_requests": 4, "max_queued_requests": -1, "max_replicas_per_node": 2},
+        "replica": {"num_cpus": 0, "max_ongoing_requests": 4, "max_queued_requests": -1,
+                    "max_replicas_per_node": 2},
         "ingress": {"num_cpus": 0},
         "autoscaling": {"min_replicas": 1, "max_replicas": max_replicas, "metrics_interval_s": 0.5,
                         "policy_kwargs": {"slo_s": slo_s, "startup_s": startup_s}},

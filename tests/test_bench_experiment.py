@@ -95,7 +95,7 @@ def test_experiment_report_from_real_sweeps_writes_plots_page_and_json(serve_clu
     try:
         by_system = {name: experiment.run_sweep(name, experiment.Target(url), requests, args, {"ttft": 5000})
                      for name, url in urls.items()}
-    finally:  # an idle app still costs the cluster ~0.08 of a core (Serve's and Ray's loops): not for the whole suite
+    finally:  # idle, an app still costs ~0.08 of a core (Serve's and Ray's loops): not for the rest of the suite
         serve_cluster.delete("bench-static")
     occupancy = occupancy_pair("tiny-llama", num_requests=12, slots=4, threads=1)
     result = write_report(tmp_path, args, by_system, occupancy, {"ttft": 5000}, 1.0)
