@@ -107,17 +107,27 @@ def _child_engine(home, max_num_seqs: int = 8) -> dict:
 
 def test_a_restart_loads_the_step_saved_whole_without_tracing(tmp_path):
     """Two processes with the same ITERSERVE_HOME: the first traces, compiles and saves the step; the
-    second loads it (dynamo traces nothing) and answers the same tokens. Another config (the metadata's
-    shapes change with max_num_seqs) never loads it: it is traced and saved under its own key."""
+    second loads it (dynamo traces nothing) and answers the same tokens."""
     cold, warm = _child_engine(tmp_path), _child_engine(tmp_path)
     assert cold["mode"] == warm["mode"] == "inductor"
     assert cold["precompiled"] == "saved" and cold["traced"] == 1
     assert warm["precompiled"] == "loaded" and warm["traced"] == 0
     assert warm["tokens"] == cold["tokens"]
     assert len(list((tmp_path / "compile" / "precompiled").glob("*.pt2"))) == 1
-    other = _child_engine(tmp_path, max_num_seqs=16)
-    assert other["precompiled"] == "saved" and other["traced"] == 1 and other["tokens"] == cold["tokens"]
-    assert len(list((tmp_path / "compile" / "precompiled").glob("*.pt2"))) == 2
+
+
+def test_another_config_gets_its_own_saved_step():
+    """The saved step's file is named by its key: a config whose graph differs (the metadata's shapes
+    change with max_num_seqs, the KV cache's with num_kv_blocks) never loads another's file. Checked
+    on the key (a third compiling process took ~27 s of the suite)."""
+    def key(**config):
+        engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", compile="off", num_threads=1, **config))
+        return engine.runner._precompile_key(torch.float32, {1}, False)
+
+    base = key(max_num_seqs=8, num_kv_blocks=64)
+    assert key(max_num_seqs=8, num_kv_blocks=64) == base  # a restart finds its file
+    assert key(max_num_seqs=16, num_kv_blocks=64) != base
+    assert key(max_num_seqs=8, num_kv_blocks=128) != base
 
 
 def test_a_damaged_saved_step_is_replaced_with_one_warning(tmp_path, monkeypatch, caplog):
