@@ -24,8 +24,11 @@ SERVE_CONFIG ?= serve_config.yaml
 serve: model
 	$(BIN)/serve run $(SERVE_CONFIG)
 
+# Two pytest workers: the tests on the session's Serve cluster run in one (tests/conftest.py groups
+# them), the rest beside them; TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: model
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # Load-test a running server: make bench BENCH_URL=http://127.0.0.1:8000 BENCH_ARGS="--request-rate 1,2,4"
 BENCH_URL ?= http://127.0.0.1:8000

@@ -76,6 +76,15 @@ class ServeCluster:
         self._apps.pop(name, None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    # Under `-n N --dist loadgroup` (make test): every test on the session's Serve cluster runs in one
+    # worker, so one cluster is started; the others spread over the remaining workers.
+    for item in items:
+        if "serve_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("serve"))
+
+
 @pytest.fixture(scope="session")
 def serve_cluster():
     # A cluster of its own (never a user's); the metrics agent runs without the dashboard too, and a
