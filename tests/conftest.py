@@ -86,7 +86,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def serve_cluster():
+def serve_cluster(request):
+    # Grouped, or each worker would start a cluster of its own: xdist's groups silently stop working
+    # on pytest 9.2 (pytest-dev/pytest-xdist#1386).
+    if getattr(request.config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        loose = [i.nodeid for i in request.session.items
+                 if "serve_cluster" in i.fixturenames and not i.nodeid.endswith("@serve")]
+        if loose:
+            pytest.fail(f"pytest-xdist did not group the Serve tests ({loose[0]}, ...)", pytrace=False)
     # A cluster of its own (never a user's); the metrics agent runs without the dashboard too, and a
     # known port lets tests scrape it.
     with local_serve(num_cpus=2, metrics_port=free_port()) as server:
