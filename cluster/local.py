@@ -24,6 +24,7 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).parent / "ray")
+LEFTOVER_S = 2.0  # what a node's group still runs this long after its `ray start` exited is killed
 PORTS_PER_NODE = 100  # GCS, dashboard, client: base + 0..2; node i (head 0): base + 100 (i + 1) .. + 99
 
 
@@ -101,21 +102,24 @@ def down(state_dir: Path, grace_s: float = 15) -> None:
         return
     info = json.loads(path.read_text())
     # SIGTERM to each `ray start --block` (the group's leader), workers first: it stops its node's
-    # processes in Ray's order (~4 s for three nodes). Signalled all at once, a node took over 15 s:
-    # the autoscaler's monitor, its handler reporting to a GCS already gone, never exited. A leader
-    # that dies without stopping them (signalled mid-start-up, before its handler) leaves its group
-    # to be signalled whole.
-    pgids, orphaned = info["pgids"], set()
+    # processes in Ray's order (~3 s for three nodes). Signalled all at once, a node took over 15 s:
+    # the autoscaler's monitor, its handler reporting to a GCS already gone, never exited. Once a
+    # leader is gone, what its group still runs (Ray workers slow to follow their raylet, or the whole
+    # node if the leader died before its handler was set) gets SIGTERM, and SIGKILL LEFTOVER_S later.
+    pgids, leader_gone = info["pgids"], {}
     for pgid in reversed(pgids):
         _signal(pgid, signal.SIGTERM)
-    deadline = time.time() + grace_s
-    while time.time() < deadline and any(_group_alive(p) for p in pgids):
-        for pgid in set(pgids) - orphaned:
-            if not _running(pgid) and _group_alive(pgid):
+    deadline, leftovers = time.time() + grace_s, 0
+    while time.time() < deadline and any(_members(p) for p in pgids):
+        for pgid in pgids:
+            if pgid not in leader_gone and not _running(pgid):
+                leader_gone[pgid] = time.time()
                 _signal_group(pgid, signal.SIGTERM)
-                orphaned.add(pgid)
+            elif pgid in leader_gone and time.time() - leader_gone[pgid] > LEFTOVER_S and _members(pgid):
+                leftovers += len(_members(pgid))
+                _signal_group(pgid, signal.SIGKILL)
         time.sleep(0.2)
-    killed = [("head" if i == 0 else f"worker-{i}") for i, p in enumerate(pgids) if _group_alive(p)]
+    stuck = [("head" if i == 0 else f"worker-{i}") for i, p in enumerate(pgids) if _running(p)]
     for pgid in pgids:
         _signal_group(pgid, signal.SIGKILL)
     # Workers Ray started in sessions of their own still name this cluster's session dir: by pid.
@@ -125,7 +129,8 @@ def down(state_dir: Path, grace_s: float = 15) -> None:
         except ProcessLookupError:
             pass
     path.unlink()
-    how = f"killed after {grace_s:.0f} s: {', '.join(killed)}" if killed else "every node exited on SIGTERM"
+    how = (f"ray start killed after {grace_s:.0f} s: {', '.join(stuck)}" if stuck else
+           "every node's ray start exited on SIGTERM") + (f"; {leftovers} leftover processes killed" if leftovers else "")
     print(f"stopped the cluster in {state_dir} ({how})")
 
 
@@ -151,10 +156,10 @@ def _running(pid: int) -> bool:
     return seen is not None and seen[0] not in ("Z", "X")
 
 
-def _group_alive(pgid: int) -> bool:
-    """A process of the group still runs (zombies waiting to be reaped do not count)."""
-    seen = (_state_and_group(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())
-    return any(s is not None and s[1] == pgid and s[0] not in ("Z", "X") for s in seen)
+def _members(pgid: int) -> List[int]:
+    """The group's processes that still run (zombies waiting to be reaped do not count)."""
+    seen = ((int(p.name), _state_and_group(int(p.name))) for p in Path("/proc").iterdir() if p.name.isdigit())
+    return [pid for pid, s in seen if s is not None and s[1] == pgid and s[0] not in ("Z", "X")]
 
 
 def _signal_group(pgid: int, sig: int) -> None:
