@@ -106,7 +106,7 @@ def down(state_dir: Path, grace_s: float = 15) -> None:
     # the autoscaler's monitor, its handler reporting to a GCS already gone, never exited. Once a
     # leader is gone, what its group still runs (Ray workers slow to follow their raylet, or the whole
     # node if the leader died before its handler was set) gets SIGTERM, and SIGKILL LEFTOVER_S later.
-    pgids, leader_gone = info["pgids"], {}
+    pgids, leader_gone, killed = info["pgids"], {}, set()
     for pgid in reversed(pgids):
         _signal(pgid, signal.SIGTERM)
     deadline, leftovers = time.time() + grace_s, 0
@@ -115,9 +115,12 @@ def down(state_dir: Path, grace_s: float = 15) -> None:
             if pgid not in leader_gone and not _running(pgid):
                 leader_gone[pgid] = time.time()
                 _signal_group(pgid, signal.SIGTERM)
-            elif pgid in leader_gone and time.time() - leader_gone[pgid] > LEFTOVER_S and _members(pgid):
-                leftovers += len(_members(pgid))
-                _signal_group(pgid, signal.SIGKILL)
+            elif pgid in leader_gone and pgid not in killed and time.time() - leader_gone[pgid] > LEFTOVER_S:
+                left = _members(pgid)
+                if left:
+                    leftovers += len(left)
+                    killed.add(pgid)
+                    _signal_group(pgid, signal.SIGKILL)
         time.sleep(0.2)
     stuck = [("head" if i == 0 else f"worker-{i}") for i, p in enumerate(pgids) if _running(p)]
     for pgid in pgids:
