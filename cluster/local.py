@@ -127,10 +127,7 @@ def down(state_dir: Path, grace_s: float = 15) -> None:
         _signal_group(pgid, signal.SIGKILL)
     # Workers Ray started in sessions of their own still name this cluster's session dir: by pid.
     for pid in _pids_mentioning(str(state_dir / "session_")):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal(pid, signal.SIGKILL)
     path.unlink()
     how = (f"ray start killed after {grace_s:.0f} s: {', '.join(stuck)}" if stuck else
            "every node's ray start exited on SIGTERM") + (f"; {leftovers} leftover processes killed" if leftovers else "")
@@ -153,16 +150,16 @@ def _state_and_group(pid: int) -> Optional[tuple]:
         return None
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (the machine's init may reap an orphan only seconds later)."""
+def _running(pid: int, pgid: Optional[int] = None) -> bool:
+    """Alive, not a zombie (the machine's init may reap an orphan only seconds later) and, given
+    pgid, in that process group."""
     seen = _state_and_group(pid)
-    return seen is not None and seen[0] not in ("Z", "X")
+    return seen is not None and seen[0] not in ("Z", "X") and pgid in (None, seen[1])
 
 
 def _members(pgid: int) -> List[int]:
-    """The group's processes that still run (zombies waiting to be reaped do not count)."""
-    seen = ((int(p.name), _state_and_group(int(p.name))) for p in Path("/proc").iterdir() if p.name.isdigit())
-    return [pid for pid, s in seen if s is not None and s[1] == pgid and s[0] not in ("Z", "X")]
+    """The group's processes that still run."""
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _running(int(p.name), pgid)]
 
 
 def _signal_group(pgid: int, sig: int) -> None:
