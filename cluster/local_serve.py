@@ -10,16 +10,31 @@ shut down at the end, and the cluster keeps running.
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
 
+# Ray's processes take ports all the time: the OS's picks for bind(0) (32768 and up on Linux) and
+# random ones above them, and its workers' range (10002-19999 under `ray start`). A port the OS picked
+# and released can be taken by one of them before the server binds it (CI lost every Serve test to
+# that), so ports are picked between those ranges.
+PICK_RANGE = (20000, 32767)
+_pick = random.SystemRandom()  # not the `random` module's state: tests seed it, two workers would agree
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on now (the OS's pick)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nothing is bound to now, from PICK_RANGE."""
+    for _ in range(200):
+        port = _pick.randint(*PICK_RANGE)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {PICK_RANGE[0]}-{PICK_RANGE[1]} after 200 tries")
 
 
 @dataclass(frozen=True)
@@ -62,13 +77,29 @@ def local_serve(num_cpus: Optional[float] = 2, port: Optional[int] = None, metri
             kwargs["_metrics_export_port"] = metrics_port
     elif metrics_port is not None:
         raise ValueError("metrics_port is set by the cluster being joined, not by local_serve")
-    port = port or free_port()
     ray.init(address=address, **kwargs)
     try:
-        serve.start(proxy_location=proxy_location, http_options={"host": "127.0.0.1", "port": port})
+        port = _start_serve(port, proxy_location)
         yield LocalServe(port, metrics_port)
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def _start_serve(port: Optional[int], proxy_location: Optional[str], tries: int = 3) -> int:
+    """Starts Serve's proxy on `port`, or on a free port; a picked port taken before the proxy bound it
+    is replaced by another (a given one is the caller's to choose). Returns the port."""
+    from ray import serve
+
+    for attempt in range(tries):
+        chosen = port or free_port()
+        try:
+            serve.start(proxy_location=proxy_location, http_options={"host": "127.0.0.1", "port": chosen})
+            return chosen
+        except Exception as error:  # a RayTaskError wrapping the proxy's "Failed to bind"
+            if port or attempt == tries - 1 or "Failed to bind" not in str(error):
+                raise
+            serve.shutdown()
+    raise AssertionError("the last try returns or raises")
