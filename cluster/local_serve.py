@@ -19,8 +19,9 @@ from typing import Iterator, Optional, Union
 # Ray's processes take ports all the time: the OS's picks for bind(0) (32768 and up on Linux) and
 # random ones above them, and its workers' range (10002-19999 under `ray start`). A port the OS picked
 # and released can be taken by one of them before the server binds it (CI lost every Serve test to
-# that), so ports are picked between those ranges.
-PICK_RANGE = (20000, 32767)
+# that), so ports are picked between those ranges (the rest of the gap, 28000-32767, is left to the
+# test clusters of `cluster.local`).
+PICK_RANGE = (20000, 27999)
 _pick = random.SystemRandom()  # not the `random` module's state: tests seed it, two workers would agree
 
 

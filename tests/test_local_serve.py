@@ -90,8 +90,9 @@ def test_picked_ports_stay_out_of_the_ranges_ray_takes_from():
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
     ports = {free_port() for _ in range(50)}
-    # Above `ray start`'s worker ports (10002-19999), below the OS's picks for bind(0).
-    assert all(20000 <= port <= PICK_RANGE[1] < ephemeral_low for port in ports), sorted(ports)
+    # Above `ray start`'s worker ports (10002-19999), below the test clusters' (28000-32399) and the
+    # OS's picks for bind(0).
+    assert all(20000 <= port <= PICK_RANGE[1] < 28000 <= ephemeral_low for port in ports), sorted(ports)
     assert len(ports) > 40  # spread, so two pytest workers rarely race for one
 
 
