@@ -1,6 +1,6 @@
-"""`cluster.local_serve`: its own cluster, stopped on an error; the ports it picks; a picked port taken
-before Serve's proxy bound it. The clusters run in subprocesses: the pytest worker may hold the
-session's Ray (conftest), and a process has one Ray.
+"""`cluster.local_serve`: its own cluster on a free port (a picked port taken before Serve's proxy bound
+it is replaced), stopped on an error; the ports it picks. The cluster runs in a subprocess driver: the
+pytest worker may hold the session's Ray (conftest), and a process has one Ray.
 
 CI once lost all 220 Serve tests to one "Failed to bind to address": the session cluster's port, the
 OS's pick, was taken by one of Ray's processes between the pick and the proxy's bind.
@@ -17,16 +17,22 @@ from cluster.local_serve import PICK_RANGE, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_ON_ERROR_SCRIPT = """
+# The first port local_serve picks is one this driver listens on, as one of Ray's processes might.
+_DRIVER = """
 import json, os, socket, time
 import httpx, ray
-from cluster.local_serve import local_serve
+import cluster.local_serve as local_serve_module
 
 os.environ["RAY_ADDRESS"] = "127.0.0.1:1"  # a user's cluster, named in the environment: never joined
-seen = {}
+taken = socket.socket()
+taken.bind(("127.0.0.1", local_serve_module.free_port()))
+taken.listen()
+seen = {"busy": taken.getsockname()[1]}
+picks, pick = iter([seen["busy"]]), local_serve_module.free_port
+local_serve_module.free_port = lambda: next(picks, None) or pick()
 try:
-    with local_serve(num_cpus=1, logging_level="ERROR") as server:
-        seen["gcs"] = ray.get_runtime_context().gcs_address
+    with local_serve_module.local_serve(num_cpus=1, logging_level="ERROR") as server:
+        seen["port"], seen["gcs"] = server.port, ray.get_runtime_context().gcs_address
         deadline = time.monotonic() + 60
         while "proxy" not in seen and time.monotonic() < deadline:  # it listens soon after serve.start
             try:
@@ -48,41 +54,15 @@ seen.update(initialized=ray.is_initialized(), proxy_listening=listening(server.u
 print(json.dumps(seen))
 """
 
-# The first port local_serve picks is one this script listens on, as a Ray process would.
-_TAKEN_PORT_SCRIPT = """
-import json, socket
-import httpx
-from ray import serve
-import cluster.local_serve as local_serve_module
 
-taken = socket.socket()
-taken.bind(("127.0.0.1", local_serve_module.free_port()))
-taken.listen()
-busy = taken.getsockname()[1]
-picks, pick = iter([busy]), local_serve_module.free_port
-local_serve_module.free_port = lambda: next(picks, None) or pick()
-
-@serve.deployment
-def hello(request) -> str:
-    return "hello"
-
-with local_serve_module.local_serve(num_cpus=1, logging_level="ERROR") as server:
-    serve.run(hello.bind(), name="hello", route_prefix="/hello")
-    print(json.dumps({"busy": busy, "port": server.port, "answer": httpx.get(server.url + "/hello", timeout=30).text}))
-"""
-
-
-def _run_driver(script: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                         timeout=180, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+def test_local_serve_starts_its_own_cluster_on_a_free_port_and_stops_serve_and_ray_on_error():
+    out = subprocess.run([sys.executable, "-c", _DRIVER], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr[-3000:]
     # Ray's raylet may print after the driver's JSON line.
-    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
-
-
-def test_local_serve_starts_its_own_cluster_and_stops_serve_and_ray_on_error():
-    seen = _run_driver(_ON_ERROR_SCRIPT)
+    seen = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert seen["gcs"] != "127.0.0.1:1" and "proxy" in seen and seen["raised"] == "the block fails"
+    assert seen["port"] != seen["busy"]  # the taken pick was replaced, and the proxy answered there
     assert not seen["initialized"] and not seen["proxy_listening"] and not seen["gcs_listening"]
 
 
@@ -94,8 +74,3 @@ def test_picked_ports_stay_out_of_the_ranges_ray_takes_from():
     # OS's picks for bind(0).
     assert all(20000 <= port <= PICK_RANGE[1] < 28000 <= ephemeral_low for port in ports), sorted(ports)
     assert len(ports) > 40  # spread, so two pytest workers rarely race for one
-
-
-def test_a_picked_port_taken_before_serve_binds_it_is_replaced():
-    seen = _run_driver(_TAKEN_PORT_SCRIPT)
-    assert seen["port"] != seen["busy"] and seen["answer"] == "hello"
