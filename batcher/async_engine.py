@@ -17,6 +17,7 @@ from typing import AsyncIterator, Dict, List, Optional, Tuple
 from batcher.config import EngineConfig
 from batcher.errors import EngineDeadError, EngineError, InvalidRequestError, StepError
 from batcher.engine_request import EngineRequest
+from batcher.eviction_log import EvictedSegment
 from batcher.llm_engine import LLMEngine, Prompt
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice, merge_by_choice
 from batcher.sampling_params import SamplingParams
@@ -253,6 +254,11 @@ class AsyncLLMEngine:
         """The engine's state as of its last round, published by the loop thread: any thread may
         read it (the engine's own queues are the loop's alone)."""
         return self._snapshot
+
+    def cut_evictions(self) -> List[EvictedSegment]:
+        """The prefix-cache blocks evicted lately, in numbered segments, a new one closed by this call
+        (batcher.eviction_log; its own lock makes it safe from any thread): for the routing report."""
+        return self.engine.block_manager.evictions.cut()
 
     def stats(self) -> EngineStats:
         snap = self._snapshot

@@ -17,6 +17,17 @@ BlockHash = bytes  # 32-byte SHA-256 digest
 _VERSION = b"iterserve-kv-block-v1\0"
 
 
+ROUTING_KEY_BYTES = 8
+
+
+def routing_key(h: BlockHash) -> bytes:
+    """A block hash shortened for what request routers keep and replicas report (router.index, the
+    eviction reports): 8 bytes tell a block from millions of others with odds of a collision near
+    1e-7, and a collision would only mislead one routing decision; the engine's cache matches whole
+    hashes."""
+    return h[:ROUTING_KEY_BYTES]
+
+
 def root_hash(model: str, cache_salt: Optional[str] = None, adapter: Optional[str] = None) -> BlockHash:
     """The parent of a sequence's first block. `adapter`: the LoRA adapter's cache id
     (adapter_cache_id), None for the base model: an adapter changes every layer's K/V."""

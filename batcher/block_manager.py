@@ -3,7 +3,8 @@
 A block holds `block_size` consecutive tokens of one or more sequences. A full block is identified by
 its chained hash (batcher.block_hash: the prefix, the model and the request's cache salt), so equal
 prefixes of the same tenant map to equal blocks. Freed blocks keep their hash and stay reusable until
-a new allocation evicts them (least recently freed first).
+a new allocation evicts them (least recently freed first). What it evicts goes to `evictions`
+(batcher.eviction_log), which the replica reports to request routers.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from batcher.block_hash import BlockHash, iter_block_hashes
+from batcher.eviction_log import EvictionLog
 from batcher.sequence import Sequence
 
 _NO_HASH = b""
@@ -32,8 +34,14 @@ class BlockManager:
         # Free blocks in eviction order: oldest freed first. Cached ones still sit in hash_to_block.
         self.free_blocks: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: Dict[BlockHash, int] = {}
+        # Blocks in use that recomputed a cached block (a prompt's last block is never matched, and a
+        # repeated prompt's answer follows it). They keep the hash while held, so a chain in use stays
+        # cached whole and its tail is evicted before its prefix (router.index relies on it); freed,
+        # they give it up.
+        self._copies: Dict[BlockHash, List[int]] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        self.evictions = EvictionLog()
 
     @property
     def num_blocks(self) -> int:
@@ -71,9 +79,14 @@ class BlockManager:
                                                 seq.block_hashes), start):
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
-            if block.hash == _NO_HASH and h not in self.hash_to_block:
-                block.hash = h
+            if block.hash != _NO_HASH:
+                continue
+            block.hash = h
+            if h not in self.hash_to_block:
                 self.hash_to_block[h] = block.block_id
+                self.evictions.cached(h)
+            else:  # recomputed: a copy, which takes the hash over if the cached block is evicted first
+                self._copies.setdefault(h, []).append(block.block_id)
 
     # -- allocation ---------------------------------------------------------------------------
     def can_admit(self, cached: List[int], num_new_tokens: int, reserve: int) -> bool:
@@ -136,6 +149,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
+                if block.hash != _NO_HASH and self.hash_to_block[block.hash] != block_id:
+                    self._drop_copy(block)
                 if block.hash == _NO_HASH:  # nothing worth keeping: reuse it first
                     self.free_blocks.move_to_end(block_id, last=False)
         seq.block_table.clear()
@@ -146,11 +161,33 @@ class BlockManager:
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash != _NO_HASH:  # evict the cached content
-            if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
-            block.hash = _NO_HASH
+            self._uncache(block)
         block.ref_count = 1
         return block_id
+
+    def _uncache(self, block: Block) -> None:
+        """`block`, free, is reused: its hash goes, unless a copy in use takes it over."""
+        h, copies = block.hash, self._copies.get(block.hash)
+        block.hash = _NO_HASH
+        if not copies:
+            del self.hash_to_block[h]
+            self.evictions.evicted(h)
+            return
+        self.hash_to_block[h] = copies.pop()
+        if not copies:
+            del self._copies[h]
+
+    def _drop_copy(self, block: Block) -> None:
+        """A copy no sequence holds any more: the cached block it copies counts as freed now (after the
+        copy's descendants, as the copy would have been), and the copy, redundant, is reused first."""
+        h, copies = block.hash, self._copies[block.hash]
+        copies.remove(block.block_id)
+        if not copies:
+            del self._copies[h]
+        block.hash = _NO_HASH
+        original = self.hash_to_block[h]
+        if self.blocks[original].ref_count == 0:
+            self.free_blocks.move_to_end(original)
 
     def used_slots(self) -> int:
         return (self.num_blocks - self.num_free_blocks) * self.block_size

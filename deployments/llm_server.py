@@ -170,7 +170,9 @@ class LLMServer:
         """Polled by the controller; request routers read it as RunningReplica.routing_stats.
         `time_s` stamps it, so a router can tell a stale report from an idle replica; `request_ids`
         lets it tell which of its requests the report counts (router.scoring.counted_in); `step_fit`
-        is what this replica measured of its steps since the last minute or two (router.cost_model)."""
+        is what this replica measured of its steps since the last minute or two (router.cost_model);
+        `evicted`, the prefix-cache blocks it evicted over its last few reports (batcher.eviction_log),
+        so routers stop counting them."""
         snap = self.engine.snapshot()  # published by the engine thread: safe to read from this loop
         s, held = snap.stats, list(snap.held_request_ids)
         self.step_meter.observe(s)
@@ -178,7 +180,8 @@ class LLMServer:
                 "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
                 "queued_prefill_tokens": s.queued_prefill_tokens, "context_tokens": s.context_tokens,
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "request_ids": held,
-                "step_fit": self.step_meter.fit(), "loras": dict(s.resident_loras)}
+                "step_fit": self.step_meter.fit(), "loras": dict(s.resident_loras),
+                "evicted": self.engine.cut_evictions()}
 
     def record_autoscaling_stats(self) -> Dict[str, float]:
         """Custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id] in a policy)."""

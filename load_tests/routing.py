@@ -45,18 +45,24 @@ ROUTERS = {
     "serve-default": None,
     "ray-prefix-affinity": "load_tests.routing_peers:PrefixCacheAffinityAdapter",
     "llm-router": "router:LLMRouter",
+    # Not run unless named: LLMRouter without the replicas' eviction reports (its index's own LRU).
+    "llm-router-lru": "router:LLMRouter",
 }
+DEFAULT_ROUTERS = "serve-default,ray-prefix-affinity,llm-router"
+ROUTER_KWARGS = {"llm-router-lru": {"follow_evictions": False}}
 WORKLOADS = ("shared", "skew", "unique", "trace")
 CHATS = ("shared", "skew", "unique")  # the default workloads (trace: `--workloads trace`)
 SHAPE = EngineShape(block_size=8, max_num_batched_tokens=2048, max_num_seqs=64)  # every fleet's engine
 
 
-def app_config(args, router_class: Optional[str], replicas: int) -> dict:
-    router = {"request_routing_stats_period_s": args.stats_period_s}
+def app_config(args, router_name: str, replicas: int) -> dict:
+    router, router_class = {"request_routing_stats_period_s": args.stats_period_s}, ROUTERS[router_name]
     if router_class:
         router["request_router_class"] = router_class
-    if router_class == ROUTERS["llm-router"] and args.llm_router_kwargs:
-        router["request_router_kwargs"] = json.loads(args.llm_router_kwargs)
+    kwargs = {**ROUTER_KWARGS.get(router_name, {}),
+              **(json.loads(args.llm_router_kwargs) if router_class == ROUTERS["llm-router"] and args.llm_router_kwargs else {})}
+    if kwargs:
+        router["request_router_kwargs"] = kwargs
     kv_blocks = args.trace_kv_blocks if args.workloads == ["trace"] else args.kv_blocks
     return {"engine": {"model": f"sim:{args.preset}", "num_kv_blocks": kv_blocks, "block_size": SHAPE.block_size,
                        "max_num_seqs": SHAPE.max_num_seqs, "max_num_batched_tokens": SHAPE.max_num_batched_tokens},
@@ -201,7 +207,7 @@ def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> L
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m load_tests.routing", description=__doc__.splitlines()[0])
     p.add_argument("--replicas", default="4,8", help="fleet sizes, comma separated")
-    p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument("--routers", default=DEFAULT_ROUTERS, help=f"of {', '.join(ROUTERS)}")
     p.add_argument("--workloads", default=",".join(CHATS), help=f"of {', '.join(WORKLOADS)}")
     p.add_argument("--preset", default="cpu-smollm2",
                    help="simulated replicas; with sim:h100-llama3-8b's millisecond steps, Serve's own plumbing on "
@@ -252,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     fleets = [int(n) for n in args.replicas.split(",")]
     # Every app is built (its router class serialized) before the first handle makes a router in this
     # process: serializing a router class after that failed here (cloudpickle met an asyncio.Future).
-    apps = {n: {name: build_app(app_config(args, ROUTERS[name], n)) for name in args.routers} for n in fleets}
+    apps = {n: {name: build_app(app_config(args, name, n)) for name in args.routers} for n in fleets}
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     trace = trace_of(args) if "trace" in args.workloads else None  # built once: hashing every prompt
     tokenizer = load_tokenizer(f"sim:{args.preset}")  # the chat replays tokenize as the ingress does

@@ -20,6 +20,9 @@ class LLMRouterConfig(BaseModel):
         "`cost_model`; off: the preset alone.")
     max_blocks_per_replica: int = Field(
         200_000, ge=1, description="Bound of the prefix index per replica (also capped at the replica's KV blocks).")
+    follow_evictions: bool = Field(
+        True, description="Drop from the prefix index the blocks replicas report they evicted (their reports' "
+        "`evicted`); off: the index forgets only by its own LRU, capped at each replica's KV blocks.")
     max_stats_age_s: float = Field(
         5.0, gt=0, description="Replica reports older than this count as unknown (assumed as loaded as the "
         "fleet's average), never as idle.")

@@ -2,7 +2,9 @@
 plus the blocks requests have claimed there but Serve has not confirmed yet.
 
 Hashes are the engine's own (batcher.block_hash over the same token ids and root), so a match here
-is a match in the replica's prefix cache, as far as the router can know. A block hash chains its
+is a match in the replica's prefix cache, as far as the router can know. The index keeps each hash's
+routing key (its first 8 bytes, block_hash.routing_key): what the replicas' eviction reports name,
+and a quarter of the memory per block. A block hash chains its
 whole prefix, so a replica holding block i held blocks 0..i-1 when they were inserted; inserting
 deepest-first keeps the root most recent, so LRU eviction trims chains from the tail and the prefix
 property holds: a replica's match is the deepest of the request's blocks it holds, found for every
@@ -24,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence
 
-from batcher.block_hash import BlockHash
+from batcher.block_hash import BlockHash, routing_key
 
 
 class PrefixIndex:
@@ -49,7 +51,7 @@ class PrefixIndex:
     def insert(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
         """Marks the chain `hashes` (root first) as cached on `replica`, most recently used."""
         blocks, bit, owners = self._blocks.setdefault(replica, OrderedDict()), self._bit_of(replica), self._owners
-        for h in reversed(hashes):  # the root ends up most recent: evicted last
+        for h in map(routing_key, reversed(hashes)):  # the root ends up most recent: evicted last
             if h in blocks:
                 blocks.move_to_end(h)
             else:
@@ -60,7 +62,7 @@ class PrefixIndex:
     def claim(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
         """One request's pending claim of the chain `hashes` on `replica` (undone by `release`)."""
         claims, bit, owners = self._claims.setdefault(replica, {}), self._bit_of(replica), self._owners
-        for h in hashes:
+        for h in map(routing_key, hashes):
             n = claims.get(h, 0)
             claims[h] = n + 1
             if n == 0:
@@ -71,7 +73,7 @@ class PrefixIndex:
         `release` in one pass (the claimed blocks stay owned instead of being disowned and re-owned)."""
         blocks, bit, owners = self._blocks.setdefault(replica, OrderedDict()), self._bit_of(replica), self._owners
         claims = self._claims.get(replica, {})
-        for h in reversed(hashes):  # the root ends up most recent, as in insert
+        for h in map(routing_key, reversed(hashes)):  # the root ends up most recent, as in insert
             if h in blocks:
                 blocks.move_to_end(h)
             else:
@@ -92,7 +94,7 @@ class PrefixIndex:
         if claims is None:
             return
         cached = self._blocks.get(replica, {})
-        for h in hashes:
+        for h in map(routing_key, hashes):
             n = claims.get(h, 0)
             if n > 1:
                 claims[h] = n - 1
@@ -102,6 +104,22 @@ class PrefixIndex:
                     self._disown(h, replica)
         if not claims:
             del self._claims[replica]
+
+    def forget(self, replica: Hashable, keys: Iterable[bytes]) -> int:
+        """`replica` evicted the blocks of routing keys `keys` (its report names them so): they are no
+        longer cached there. Claimed ones
+        stay owned until their claims go (the requests claiming them compute them again). Returns how
+        many the index held. The engine evicts a chain's tail before its prefix, so the prefix
+        property holds."""
+        blocks, claims, n = self._blocks.get(replica), self._claims.get(replica, {}), 0
+        if not blocks:
+            return 0
+        for h in keys:
+            if blocks.pop(h, 0) is None:
+                n += 1
+                if h not in claims:
+                    self._disown(h, replica)
+        return n
 
     def matched_blocks(self, hashes: Sequence[BlockHash]) -> Dict[Hashable, int]:
         """How many leading blocks of `hashes` each replica caches or claims (replicas with none: absent).
@@ -116,13 +134,13 @@ class PrefixIndex:
             lo, hi = 0, top  # the deepest depth in [1, top] with more holders than found so far
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if self._owners.get(hashes[mid - 1], 0).bit_count() > len(found):
+                if self._owners.get(routing_key(hashes[mid - 1]), 0).bit_count() > len(found):
                     lo = mid
                 else:
                     hi = mid - 1
             if lo == 0:
                 break
-            for r in self._holders(self._owners[hashes[lo - 1]]):
+            for r in self._holders(self._owners[routing_key(hashes[lo - 1])]):
                 found.setdefault(r, lo)
             top = lo - 1
         return found

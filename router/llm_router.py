@@ -28,6 +28,7 @@ from batcher.block_hash import cacheable_block_hashes, root_hash
 from batcher.simulated import PRESETS
 from router.config import LLMRouterConfig
 from router.cost_model import FleetStepTimes, coefficients, learned_step
+from router.eviction_feed import EvictionFeed
 from router.index import PrefixIndex
 from router.index_exchange import IndexSync
 from router.ledger import HashedRequest, RequestLedger
@@ -47,6 +48,7 @@ class LLMRouter(RequestRouter):
         self.shape = EngineShape(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.index = PrefixIndex(cfg.max_blocks_per_replica)
         self.ledger = RequestLedger(self.index, cfg.max_tracked_requests)
+        self.evictions = EvictionFeed(self.index)  # what replicas report they evicted leaves the index
         self._root = root_hash(cfg.model)  # requests without a cache salt (most) share it
         self._rng = np.random.default_rng()
         self._reports: Dict[str, tuple] = {}  # replica -> (the stats dict Serve delivered, its Report)
@@ -285,6 +287,9 @@ class LLMRouter(RequestRouter):
         except RuntimeError:
             pass
         alive = self._alive = {r.replica_id.unique_id for r in replicas}
+        if self.config.follow_evictions:  # Serve calls this with each broadcast of the replicas' reports
+            for r in replicas:
+                self.evictions.read(r.replica_id.unique_id, r.routing_stats)
         for rid in (self.ledger.replicas() | set(self.index.replicas()) | set(self._reports)) - alive:
             self._drop(rid)
 
@@ -297,6 +302,7 @@ class LLMRouter(RequestRouter):
         self._alive.discard(rid)
         self.ledger.drop_replica(rid)
         self.index.remove_replicas([rid])
+        self.evictions.drop(rid)
         self._reports.pop(rid, None)
         self._rows.pop(rid, None)
         for sent in self._adapter_sent.values():

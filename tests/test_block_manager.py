@@ -159,27 +159,28 @@ def _check_invariants(bm: BlockManager, live: list) -> None:
         assert block.ref_count == refs[block.block_id], block
         assert (block.ref_count == 0) == (block.block_id in bm.free_blocks)
         if block.hash:
-            assert bm.hash_to_block[block.hash] == block.block_id
+            assert block.block_id in (bm.hash_to_block[block.hash], *bm._copies.get(block.hash, ()))
     assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block.items())
+    assert all(bm.blocks[b].hash == h and bm.blocks[b].ref_count for h, copies in bm._copies.items() for b in copies)
+    assert not set(bm._copies) - set(bm.hash_to_block)
     assert len(bm.free_blocks) == bm.num_blocks - len(refs)
     for s in live:
         assert len(s.block_table) >= bm.blocks_needed(s.num_computed_tokens)
         full = s.num_computed_tokens // bm.block_size
         assert s.block_hashes == list(iter_block_hashes(s.token_ids, bm.block_size, full, s.cache_root))
-        for b, h in zip(s.block_table, s.block_hashes):  # a hashed block holds exactly that prefix
-            assert bm.blocks[b].hash in (h, b"")
+        for b, h in zip(s.block_table, s.block_hashes):  # every full block holds its hash, copies too
+            assert bm.blocks[b].hash == h
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_block_accounting_stays_consistent_under_random_operations(seed):
+def random_operations(seed: int, steps: int = 400):
     """Admit (with prefix hits), prefill in chunks, decode, preempt and finish in random order over
-    prompts that share prefixes: ref counts, the free list and the hash index stay consistent, and
-    everything comes back free at the end."""
+    prompts that share prefixes, as the scheduler would; yields (manager, live sequences) after each
+    operation and frees everything at the end."""
     rng = random.Random(seed)
     bm = BlockManager(num_blocks=rng.choice([12, 24, 48]), block_size=rng.choice([2, 4]))
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
     live, waiting = [], []
-    for i in range(400):
+    for i in range(steps):
         op = rng.random()
         if op < 0.2:  # a new request sharing a prefix, maybe under a salt
             tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
@@ -207,8 +208,17 @@ def test_block_accounting_stays_consistent_under_random_operations(seed):
         elif live:  # finished or aborted
             s = live.pop(rng.randrange(len(live)))
             bm.free(s)
-        _check_invariants(bm, live)
+        yield bm, live
     for s in live:
         bm.free(s)
-    _check_invariants(bm, [])
+    live.clear()
+    yield bm, live
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_block_accounting_stays_consistent_under_random_operations(seed):
+    """Ref counts, the free list and the hash index stay consistent through random operations, and
+    everything comes back free at the end."""
+    for bm, live in random_operations(seed):
+        _check_invariants(bm, live)
     assert bm.num_free_blocks == bm.num_blocks

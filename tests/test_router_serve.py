@@ -139,6 +139,43 @@ def test_a_replica_whose_kv_is_full_gets_no_new_requests(sim_apps):
     assert sorted(served.values()) == [1, 1, 1, 6], served
 
 
+def test_the_router_drops_the_blocks_a_replica_evicted(sim_apps):
+    """A conversation's 40 blocks are cached on a replica; long requests then take 235 of every
+    replica's 256 KV blocks, evicting about half of them. The replicas report what they evicted and the
+    deciding router drops it: its view of the conversation's replica matches what that replica's cache
+    then supplies to the conversation's next turn. (Without the reports the router's own LRU, capped
+    at the replica's 256 blocks, would keep 25 of the 40.)"""
+    from ray import serve
+
+    from router import feedback
+
+    handle = serve.get_deployment_handle("LLMServer", "simllm")
+
+    def generate(request_id, ids, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return handle.generate.remote(PreparedRequest(request_id, ids, params)).result(timeout_s=120)
+
+    prompt = [1500 + i % 37 for i in range(320)]
+    first = generate("evict-turn-1", prompt, 8)
+    router = feedback.request_router_of(handle)
+    assert feedback.record_answer(handle, "evict-turn-1", prompt, first.token_ids)
+    history = prompt + first.token_ids
+    chain = cacheable_block_hashes(history, BLOCK, root_hash("sim:cpu-smollm2"))
+    held = lambda: router.index.matched_blocks(chain).get(first.replica_id, 0)  # noqa: E731
+    assert on_router_loop(router, held) == len(chain) == 40
+    applied = lambda: router.evictions._applied.get(first.replica_id, 0)  # noqa: E731
+    with concurrent.futures.ThreadPoolExecutor(REPLICAS) as pool:  # 235 of 256 blocks each
+        list(pool.map(lambda i: generate(f"evict-long-{i}", [2000 + i] * 1850, 30), range(REPLICAS)))
+    after = on_router_loop(router, applied)
+    wait_until(lambda: on_router_loop(router, applied) >= after + 2, 30, "a report cut after the long requests")
+    expected = on_router_loop(router, held)
+    assert expected < 40 and router.evictions.dropped > 0
+    second = generate("evict-turn-2", history + [7] * 10, 1)
+    if expected:  # what is left of its cache still draws the next turn
+        assert second.replica_id == first.replica_id
+    assert second.cached_tokens == expected * BLOCK
+
+
 def test_answers_reach_the_router_of_the_handle_that_sent_the_request(sim_apps):
     """What the ingress does with every answer, from a handle of this process: router.feedback finds
     the handle's LLMRouter (through Serve's private attributes: this checks them on the installed
