@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def local_cluster():
         assert down.returncode == 0, down.stderr[-2000:]
         leftovers = subprocess.run(["pgrep", "-f", f"{state}/session_"], capture_output=True, text=True).stdout
         assert not leftovers.strip(), f"processes left running: {leftovers}"
+        shutil.rmtree(state, ignore_errors=True)  # its logs stay where the cluster did not stop cleanly
 
 
 @pytest.mark.slow
