@@ -47,7 +47,7 @@ class EvictionLog:
 
     def cached(self, h: BlockHash) -> None:
         """`h` is cached again: no longer reported as evicted."""
-        if not self._size:  # the common case, without the lock: a stale read only delays a pop
+        if not self._size:  # the common case, without the lock: only this thread adds, so 0 is never stale
             return
         with self._lock:
             for segment in self._segments:
@@ -59,7 +59,7 @@ class EvictionLog:
         with self._lock:
             segments = [(n, b"".join(map(routing_key, hashes)), lost) for n, hashes, lost in self._segments]
             self._segments.append([segments[-1][0] + 1, {}, 0])
-            while len(self._segments) > self.keep_segments:  # the open one counted: the next cut returns keep
+            while len(self._segments) > self.keep_segments:  # the new open one counted: cuts return keep
                 self._size -= len(self._segments.popleft()[1])
             return segments
 

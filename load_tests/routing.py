@@ -59,8 +59,9 @@ def app_config(args, router_name: str, replicas: int) -> dict:
     router, router_class = {"request_routing_stats_period_s": args.stats_period_s}, ROUTERS[router_name]
     if router_class:
         router["request_router_class"] = router_class
-    kwargs = {**ROUTER_KWARGS.get(router_name, {}),
-              **(json.loads(args.llm_router_kwargs) if router_class == ROUTERS["llm-router"] and args.llm_router_kwargs else {})}
+    kwargs = dict(ROUTER_KWARGS.get(router_name, {}))
+    if router_class == ROUTERS["llm-router"] and args.llm_router_kwargs:
+        kwargs.update(json.loads(args.llm_router_kwargs))
     if kwargs:
         router["request_router_kwargs"] = kwargs
     kv_blocks = args.trace_kv_blocks if args.workloads == ["trace"] else args.kv_blocks

@@ -107,10 +107,9 @@ class PrefixIndex:
 
     def forget(self, replica: Hashable, keys: Iterable[bytes]) -> int:
         """`replica` evicted the blocks of routing keys `keys` (its report names them so): they are no
-        longer cached there. Claimed ones
-        stay owned until their claims go (the requests claiming them compute them again). Returns how
-        many the index held. The engine evicts a chain's tail before its prefix, so the prefix
-        property holds."""
+        longer cached there. Claimed ones stay owned until their claims go (the requests claiming them
+        compute them again). Returns how many the index held. The engine evicts a chain's tail before
+        its prefix, so the prefix property holds."""
         blocks, claims, n = self._blocks.get(replica), self._claims.get(replica, {}), 0
         if not blocks:
             return 0
