@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 # (replica id, a chain of block hashes cached there (root first) joined into one bytes, the request
 # sent there as (routed_at, prompt_tokens, uncached_tokens, request_id) or None, the id of a request
-# sent there whose prompt's chain these hashes continue (its answer) or None). Builtins only: Serve
+# sent there whose prompt's chain these hashes continue (its answer: the request ended) or None). Builtins only: Serve
 # pickles the router's package by value (it registers the request router's module with cloudpickle),
 # so a Routed, or any class of router/, crossed with its whole class definition in every push and
 # pull (5.7 KB for a four-hash entry; the board 9% of a core at 10 pushes a second, 7% without).
@@ -182,9 +182,10 @@ class IndexSync:
         router has just sent it that request, or (`extends`: its id and its prompt's block count) the
         chain is that request's prompt and answer: for the others, pushed as soon as the loop is free
         if a send, else within ANSWER_DELAY_S (kept only while sharing, and not while this router is
-        alone). Safe from any thread."""
+        alone). An answer goes even without blocks past its prompt: it tells the others the request
+        ended, which no report of theirs would say before FOREIGN_GRACE_S. Safe from any thread."""
         past = extends[1] if extends is not None else 0  # the others have the prompt's blocks from its send
-        if self._task is None or not self._others or not (len(hashes) > past or sent):
+        if self._task is None or not self._others or not (len(hashes) > past or sent or extends):
             return
         self._outbox.append(pack(replica, hashes[past:], sent, extends and extends[0]))
         if self._flushing:
@@ -202,9 +203,11 @@ class IndexSync:
             self._flushing = True
             self._flush_soon()
 
-    def start(self, apply: Callable[[str, List[BlockHash], Optional[Routed]], None], board=None) -> None:
+    def start(self, apply: Callable[[str, List[BlockHash], Optional[Routed], Optional[str]], None],
+              board=None) -> None:
         """From the router's loop: shares from now on, through `board` (default: the cluster's
-        ExchangeBoard actor), handing each entry another router pushed to `apply`. Once; nothing
+        ExchangeBoard actor), handing each entry another router pushed to `apply` (replica, chain,
+        request sent, id of the request that ended there). Once; nothing
         without a Ray cluster (a router built in a test or a benchmark: nothing to share)."""
         if self._task is not None or self.period_s <= 0:
             return
@@ -231,7 +234,7 @@ class IndexSync:
         finally:
             self._flushing = False
 
-    async def _poll(self, apply: Callable[[str, List[BlockHash], Optional[Routed]], None]) -> None:
+    async def _poll(self, apply: Callable[[str, List[BlockHash], Optional[Routed], Optional[str]], None]) -> None:
         while True:
             try:
                 self._cursor, news, self._others = await self._board.pull(
@@ -245,13 +248,14 @@ class IndexSync:
             for replica, hashes, sent, extends in map(unpack, news):
                 if extends is not None:  # an answer: its prompt's chain, as sent, then its own blocks
                     prompt = self._prompts.pop(extends, None)
-                    if prompt is None:  # sent before this router joined, or forgotten: the reports will do
-                        continue
-                    self._prompt_hashes -= len(prompt)
-                    hashes = prompt + hashes
+                    if prompt is None:  # sent before this router joined, or forgotten: it ended, no chain
+                        hashes = []
+                    else:
+                        self._prompt_hashes -= len(prompt)
+                        hashes = prompt + hashes
                 elif sent is not None and sent.request_id:
                     self._keep_prompt(sent.request_id, hashes)
-                apply(replica, hashes, sent)
+                apply(replica, hashes, sent, extends)
 
     def _keep_prompt(self, request_id: str, hashes: List[BlockHash]) -> None:
         self._prompt_hashes -= len(self._prompts.pop(request_id, ()))

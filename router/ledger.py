@@ -17,8 +17,9 @@ claim: blocks count as cached only where Serve confirmed them. A request Serve n
 (cancelled while queued) is forgotten by the bounds, by count and by age, all applied in `_expire`.
 
 Requests other routers of the deployment sent (`sent_elsewhere`, from router.index_exchange) count
-in flight on their replica too, until a report of it counts them (from then on its reports do) or,
-taken `FOREIGN_GRACE_S` after they were sent, does not (they ended: this router hears of no completion).
+in flight on their replica too, until the router that sent them shares their answer (they ended), a
+report of it counts them (from then on its reports do) or, taken `FOREIGN_GRACE_S` after they were
+sent, does not (they ended without an answer this router heard of).
 """
 from __future__ import annotations
 
@@ -186,6 +187,13 @@ class RequestLedger:
             del foreign[oldest]
             self._inflight[replica].pop(oldest, None)
         self._bump(replica)
+
+    def ended_elsewhere(self, replica: str, request_id: str) -> None:
+        """Another router's request on `replica` ended (that router heard its answer)."""
+        foreign = self._foreign.get(replica)
+        if foreign is not None and foreign.pop(f"@{request_id}", None) is not None:
+            self._inflight[replica].pop(f"@{request_id}", None)
+            self._bump(replica)
 
     def reported(self, replica: str, report: Report) -> None:
         """A new report of `replica`. It counts every completion before it (and so does every later

@@ -269,15 +269,19 @@ class LLMRouter(RequestRouter):
         extends = (request.request_id, len(request.hashes)) if request.request_id else None
         self.sync.learned(rid, hashes, extends=extends)
 
-    def _learned_elsewhere(self, rid: str, hashes: List[bytes], sent: Optional[Routed] = None) -> None:
+    def _learned_elsewhere(self, rid: str, hashes: List[bytes], sent: Optional[Routed] = None,
+                           ended: Optional[str] = None) -> None:
         """Another router of this deployment learned that `rid` caches the chain `hashes`, and (`sent`)
-        has just sent it that request: it counts there until `rid`'s reports do."""
+        has just sent it that request: it counts there until `rid`'s reports do, or until that router
+        hears its answer (`ended`: its request id)."""
         if rid not in self._alive:
             return
         if hashes:
             self.index.insert(rid, hashes)
         if sent is not None:
             self.ledger.sent_elsewhere(rid, sent, (self._reports.get(rid) or (None, None))[1], time.time())
+        if ended is not None:
+            self.ledger.ended_elsewhere(rid, ended)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)

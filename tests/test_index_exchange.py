@@ -153,6 +153,25 @@ def test_a_router_counts_the_requests_another_just_sent_and_sends_its_own_elsewh
     assert serve_b.route(request(list(range(90_000, 94_000)), "b0"), "kb0") == free
 
 
+def test_a_request_the_other_router_heard_answered_stops_counting_before_any_report(serving):
+    """Reports list the requests a replica holds; one that began and ended between two reports is never
+    listed, so without more the other router would count it for FOREIGN_GRACE_S (1 s): a phantom
+    load. Its answer, shared even when it adds no block past the prompt, ends it there at once."""
+    now = time.time()
+    a, serve_a, b, serve_b = sharing_pair(serving, now, request_ids=[])
+    prompt = list(range(20_000, 20_401))  # 401 tokens, 50 full blocks: the last token never counts
+    where = serve_a.route(request(prompt, "short"), "ks")
+    serve_a.run(asyncio.sleep(0.02))
+    serve_b.run(asyncio.sleep(0.02))
+    stats = b.curr_replicas[serve_b.id(where)].routing_stats
+    assert b.load(where, stats).batch == 1  # a's request, heard of at once
+    serve_a.complete("ks", where)
+    a.record_answer("short", prompt, [1, 2])  # two tokens: no block past the prompt's
+    serve_a.run(asyncio.sleep(ANSWER_DELAY_S + 0.05))
+    serve_b.run(asyncio.sleep(0.02))
+    assert b.load(where, stats).batch == 0  # the same report: the answer alone ended it
+
+
 def test_another_routers_request_counts_until_a_report_counts_it_or_shows_it_ended(serving):
     now = time.time()
     router = make_router()
