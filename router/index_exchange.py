@@ -42,10 +42,11 @@ log = logging.getLogger(__name__)
 
 # (replica id, a chain of block hashes cached there (root first) joined into one bytes, the request
 # sent there as (routed_at, prompt_tokens, uncached_tokens, request_id) or None, the id of a request
-# sent there whose prompt's chain these hashes continue (its answer: the request ended) or None). Builtins only: Serve
-# pickles the router's package by value (it registers the request router's module with cloudpickle),
-# so a Routed, or any class of router/, crossed with its whole class definition in every push and
-# pull (5.7 KB for a four-hash entry; the board 9% of a core at 10 pushes a second, 7% without).
+# sent there whose prompt's chain these hashes continue (its answer: the request ended) or None).
+# Builtins only: Serve pickles the router's package by value (it registers the request router's
+# module with cloudpickle), so a Routed, or any class of router/, crossed with its whole class
+# definition in every push and pull (5.7 KB for a four-hash entry; the board 9% of a core at 10
+# pushes a second, 7% without).
 Entry = Tuple[str, bytes, Optional[tuple], Optional[str]]
 HASH_BYTES = 32  # a BlockHash: a SHA-256 digest
 MAX_KEPT_HASHES = 500_000  # per router: the prompts' chains kept until their answers continue them
@@ -207,8 +208,8 @@ class IndexSync:
               board=None) -> None:
         """From the router's loop: shares from now on, through `board` (default: the cluster's
         ExchangeBoard actor), handing each entry another router pushed to `apply` (replica, chain,
-        request sent, id of the request that ended there). Once; nothing
-        without a Ray cluster (a router built in a test or a benchmark: nothing to share)."""
+        request sent, id of the request that ended there). Once; nothing without a Ray cluster (a
+        router built in a test or a benchmark: nothing to share)."""
         if self._task is not None or self.period_s <= 0:
             return
         if board is None:
