@@ -2,12 +2,12 @@
 
 Without them the index guesses: it keeps what it saw sent and answered, least recently used first,
 capped at the replica's KV blocks, while the replica evicts the least recently freed of the blocks
-no running sequence holds. Under memory pressure the two part: the router counts prefixes the replica
-dropped, sends their sessions there and the replica recomputes them. Each report lists what the
-replica evicted over its last few reports (batcher.eviction_log: numbered segments of the hashes'
-routing keys, without the ones cached again since), and this applies the segments it has not applied yet.
-A replica whose segments it missed (more reports than a report repeats went by unread, or the
-replica's log overflowed) is counted in `gaps`: its stale blocks go only by the index's LRU.
+no running sequence holds. Under memory pressure the two part: the router counts prefixes the
+replica dropped, sends their sessions there and the replica recomputes them. Each report lists what
+the replica evicted over its last few reports (batcher.eviction_log: numbered segments of the
+hashes' routing keys, without the ones cached again since), and this applies the segments it has not
+applied yet. A replica whose segments it missed (more reports than a report repeats went by unread,
+or the replica's log overflowed) is counted in `gaps`: its stale blocks go only by the index's LRU.
 """
 from __future__ import annotations
 

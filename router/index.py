@@ -4,11 +4,11 @@ plus the blocks requests have claimed there but Serve has not confirmed yet.
 Hashes are the engine's own (batcher.block_hash over the same token ids and root), so a match here
 is a match in the replica's prefix cache, as far as the router can know. The index keeps each hash's
 routing key (its first 8 bytes, block_hash.routing_key): what the replicas' eviction reports name,
-and a quarter of the memory per block. A block hash chains its
-whole prefix, so a replica holding block i held blocks 0..i-1 when they were inserted; inserting
-deepest-first keeps the root most recent, so LRU eviction trims chains from the tail and the prefix
-property holds: a replica's match is the deepest of the request's blocks it holds, found for every
-replica at once by bisecting the request's chain.
+and a quarter of the memory per block. A block hash chains its whole prefix, so a replica holding
+block i held blocks 0..i-1 when they were inserted; inserting deepest-first keeps the root most
+recent, so LRU eviction trims chains from the tail and the prefix property holds: a replica's match
+is the deepest of the request's blocks it holds, found for every replica at once by bisecting the
+request's chain.
 
 A claim (`claim`/`release`) counts a chain on a replica while its request waits for Serve's
 confirmation: the next requests of a burst follow it there, and a claim released (Serve sent the
