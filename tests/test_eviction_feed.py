@@ -115,3 +115,19 @@ def test_with_follow_evictions_off_the_index_keeps_its_own_guess(serving):
     where = s.route(request(SYSTEM), "k1")
     s.update([replica(where, now, evicted=[(1, joined(chain), 0)]), replica("b" if where == "a" else "a", now)])
     assert router.index.matched_blocks(chain) == {where: len(chain)} and router.evictions.dropped == 0
+
+
+def test_at_fleet_churn_every_evicted_block_reaches_the_router_once_through_broadcasts():
+    """`load_tests.eviction_micro`'s loop, small: replicas evicting 200 blocks a second, reporting
+    every 0.5 s at staggered times, broadcast at each controller tick with news. The router's feed
+    drops every block evicted before each replica's last report (nothing missed, no gap), and a
+    report carries two segments of 8-byte keys."""
+    from load_tests.eviction_micro import measure
+
+    r, _ = measure(replicas=3, evicted_per_s=200, kv_blocks=640, period_s=0.5, seconds=3)
+    assert r["gaps"] == 0
+    # Replica i last reported at 2.5 + 0.5 * i / 3 s, so it had evicted up to ~(that + a tick) x 200.
+    last_cut = [2.5 + 0.5 * i / 3 for i in range(3)]
+    expected = sum(200 * (round(t / 0.1) + 1) * 0.1 for t in last_cut)
+    assert r["dropped_per_s"] * 3 == pytest.approx(expected, abs=3 * 20)
+    assert r["report_bytes_p50"] == pytest.approx(2 * 100 * 8, rel=0.1)  # two half-second segments
