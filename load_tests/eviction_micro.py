@@ -42,15 +42,14 @@ def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, 
     logs = {f"r{i}": EvictionLog() for i in range(replicas)}
     cached = {rid: deque() for rid in logs}  # each replica's blocks, oldest first
     for rid in logs:  # full caches: every replica holds kv_blocks blocks, in chains
-        chains = [_hashes(CHAIN) for _ in range(kv_blocks // CHAIN)]
-        for chain in chains:
+        for chain in (_hashes(CHAIN) for _ in range(kv_blocks // CHAIN)):
             index.insert(rid, chain)
             cached[rid].extend(reversed(chain))  # the engine frees a chain's tail first
     reports = {rid: {"evicted": []} for rid in logs}
     # Replica i reports at i/replicas of the period (Serve randomizes each one's period by 10%).
     due = {rid: period_s * i / replicas for i, rid in enumerate(logs)}
     engine_s = cut_s = dumps_s = loads_s = router_s = 0.0
-    last_broadcast: list = []
+    broadcast: list = []
     report_bytes, broadcast_bytes, broadcasts = [], [], 0
     per_tick = max(1, round(evicted_per_s * TICK_S))
     for tick in range(round(seconds / TICK_S)):
@@ -84,7 +83,6 @@ def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, 
         for rid, stats in broadcast:  # the router: Serve's update_replicas -> the feed
             feed.read(rid, stats)
         loads_s, router_s = loads_s + t1 - t0, router_s + time.perf_counter() - t1
-        last_broadcast = broadcast
     per_s = 1e3 / seconds
     return {"replicas": replicas, "evicted_per_s": evicted_per_s, "kv_blocks": kv_blocks, "period_s": period_s,
             "seconds": seconds, "report_bytes_p50": statistics.median(report_bytes),
@@ -94,7 +92,7 @@ def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, 
             "replica_cut_ms_per_report": cut_s / len(report_bytes) * 1e3,
             "controller_dumps_ms_per_s": dumps_s * per_s, "router_loads_ms_per_s": loads_s * per_s,
             "router_feed_ms_per_s": router_s * per_s,
-            "dropped_per_s": feed.dropped / seconds, "gaps": feed.gaps}, last_broadcast
+            "dropped_per_s": feed.dropped / seconds, "gaps": feed.gaps}, broadcast
 
 
 def ray_call_ms(broadcast: list, calls: int = 40) -> float:

@@ -117,7 +117,7 @@ def test_with_follow_evictions_off_the_index_keeps_its_own_guess(serving):
     assert router.index.matched_blocks(chain) == {where: len(chain)} and router.evictions.dropped == 0
 
 
-def test_at_fleet_churn_every_evicted_block_reaches_the_router_once_through_broadcasts():
+def test_at_fleet_churn_every_evicted_block_reaches_the_router_through_broadcasts():
     """`load_tests.eviction_micro`'s loop, small: replicas evicting 200 blocks a second, reporting
     every 0.5 s at staggered times, broadcast at each controller tick with news. The router's feed
     drops every block evicted before each replica's last report (nothing missed, no gap), and a
