@@ -68,6 +68,7 @@ bench-routing: model
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m load_tests.router_micro
 	$(BIN)/python -m load_tests.eviction_micro --ray --json results/eviction_micro.json
+	$(BIN)/python -m load_tests.exchange_micro --json results/exchange_micro.json
 	$(BIN)/python -m load_tests.routing
 	$(BIN)/python -m load_tests.routing --replicas 4 --workloads trace --json results/routing_trace.json
 

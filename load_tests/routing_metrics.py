@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from batcher.block_hash import ROUTING_KEY_BYTES
 from load_tests.bench_client import BenchRecord
 from load_tests.bench_metrics import summarize as summarize_load
 from load_tests.routing_replay import REPLICA_HEADER
@@ -52,6 +53,6 @@ def exchange_volume(app: str, before: Optional[dict], after: Optional[dict], wal
         return {k: sum(c[k] for c in rows) for k in ("pushes", "pulls", "entries_in", "hashes_in", "hashes_out")}
     a, b = total(after), total(before)
     per_s = {f"{k}_per_s": (a[k] - b[k]) / wall_s for k in a}
-    # 32-byte hashes; what crosses the wire is both directions, pickled (a little more).
-    return {**per_s, "kb_per_s": 32 * (per_s["hashes_in_per_s"] + per_s["hashes_out_per_s"]) / 1000,
+    # Each block crosses as its routing key; what crosses the wire is both directions, pickled (a little more).
+    return {**per_s, "kb_per_s": ROUTING_KEY_BYTES * (per_s["hashes_in_per_s"] + per_s["hashes_out_per_s"]) / 1000,
             "board_cpu_share": (after["cpu_s"] - (before or {"cpu_s": 0.0})["cpu_s"]) / wall_s}

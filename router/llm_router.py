@@ -30,7 +30,7 @@ from router.config import LLMRouterConfig
 from router.cost_model import FleetStepTimes, coefficients, learned_step
 from router.eviction_feed import EvictionFeed
 from router.index import PrefixIndex
-from router.index_exchange import IndexSync
+from router.index_sync import IndexSync
 from router.ledger import HashedRequest, RequestLedger
 from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, Routed, RoutingRequest, adapter_costs,
                             fleet_loads, load_row, own_load, prefill_rate, replica_load, score_replicas, stale_rows)

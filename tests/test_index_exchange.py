@@ -1,18 +1,22 @@
-"""Routers of one deployment sharing what they learn (router.index_exchange): the exchange's log in
-plain Python, the board's long poll, and LLMRouter's side of it with fake replicas (no Ray cluster;
-the real actor between two callers: tests/test_router_serve.py): where prefixes are cached, and the
-requests each router has just sent, which the others count as load until the replica's reports do."""
+"""Routers of one deployment sharing what they learn (router.index_exchange, router.index_sync): the
+exchange's log in plain Python, the board's long poll and subscriptions, and LLMRouter's side of it
+with fake replicas (no Ray cluster; the real actor between two callers: tests/test_router_serve.py):
+where prefixes are cached, and the requests each router has just sent, which the others count as
+load until the replica's reports do."""
 from __future__ import annotations
 
 import asyncio
 import time
 
-from router.index_exchange import ANSWER_DELAY_S, ExchangeBoard, IndexExchange, IndexSync, pack, unpack
+from batcher.block_hash import ROUTING_KEY_BYTES, routing_key
+from router.index_exchange import ExchangeBoard, IndexExchange, pack, unpack
+from router.index_sync import ANSWER_DELAY_S, IndexSync
 from router.ledger import FOREIGN_GRACE_S
 from router.scoring import Routed
 from tests.router_harness import SYSTEM, blocks, make_router, replica, request, serving  # noqa: F401
 
 H = [bytes([i]) * 32 for i in range(8)]  # stand-in block hashes
+K = [routing_key(h) for h in H]  # what crosses the exchange of each
 
 
 def test_each_router_gets_the_others_entries_not_its_own_and_a_new_one_gets_the_log():
@@ -25,14 +29,15 @@ def test_each_router_gets_the_others_entries_not_its_own_and_a_new_one_gets_the_
     sent = Routed(1.0, 400, 400, "q1")
     assert ex.push("a", [pack("r2", H[2:3], sent)]) is True  # b was heard from
     cursor_b, news, _ = ex.pull("b", cursor_b)
-    assert [unpack(e) for e in news] == [("r2", H[2:3], sent, None)]
+    assert [unpack(e) for e in news] == [("r2", K[2:3], sent, None)]
     assert ex.pull("b", cursor_b)[1] == []  # nothing new since b's cursor
 
 
 def test_entries_cross_as_builtins_with_the_routers_package_pickled_by_value():
     """Serve registers the request router's module (`router`) with cloudpickle by value, in every
     process that routes; a Routed in an entry crossed with its class's whole definition, every push
-    and pull (5.7 KB for four hashes). Packed, an entry is its bytes and a few fields."""
+    and pull (5.7 KB for four hashes). Packed, an entry is its blocks' routing keys (8 of a hash's 32
+    bytes: all the index keeps) and a few fields."""
     from ray import cloudpickle
 
     import router
@@ -42,8 +47,9 @@ def test_entries_cross_as_builtins_with_the_routers_package_pickled_by_value():
         size = len(cloudpickle.dumps(entries))
     finally:
         cloudpickle.unregister_pickle_by_value(router)
-    assert size < 6 * 32 + 200, size
-    assert [unpack(e)[:3] for e in entries] == [("r1", H[:4], Routed(1.0, 400, 300, "q1")), ("r2", H[4:6], None)]
+    assert [len(e[1]) for e in entries] == [4 * ROUTING_KEY_BYTES, 2 * ROUTING_KEY_BYTES]
+    assert size < 6 * ROUTING_KEY_BYTES + 200, size
+    assert [unpack(e)[:3] for e in entries] == [("r1", K[:4], Routed(1.0, 400, 300, "q1")), ("r2", K[4:6], None)]
 
 
 def test_the_log_is_bounded_and_a_router_alone_is_told_so():
@@ -80,9 +86,37 @@ def test_the_boards_long_poll_returns_when_another_router_pushes_and_keeps_deplo
     asyncio.run(main())
 
 
+def test_a_subscription_sends_each_push_as_it_comes_nothing_after_its_wait_and_ends_after_its_lifetime():
+    """What a router's subscription streams: the others' news as soon as one pushes (in one batch,
+    whatever came meanwhile), an empty batch after each wait with nothing, its own pushes never; it
+    ends after its lifetime, so one whose router went without a word does not stay open."""
+    async def main():
+        board, batches = ExchangeBoard(), []
+        await board.pull("app/LLMServer", "b", None, 0)  # b is known: a's pushes are kept
+
+        async def listen():
+            t0 = time.monotonic()
+            async for cursor, news, others in board.subscribe("app/LLMServer", "b", 0, 0.5, lifetime_s=1.0):
+                batches.append((time.monotonic() - t0, news))
+        listening = asyncio.create_task(listen())
+        await asyncio.sleep(0.05)
+        await board.push("app/LLMServer", "b", [pack("r9", H[:1])])  # b's own: nothing to send it
+        await board.push("app/LLMServer", "a", [pack("r1", H[:2])])
+        await asyncio.sleep(0.1)
+        await board.push("app/LLMServer", "a", [pack("r2", H[2:3]), pack("r3", H[3:4])])
+        await asyncio.wait_for(listening, 2.0)
+        return batches
+    batches = asyncio.run(main())
+    # Pushed at 0.05 s and 0.15 s: each sent at once, not after the 0.5 s wait.
+    assert [news for _, news in batches[:2]] == [[pack("r1", H[:2])], [pack("r2", H[2:3]), pack("r3", H[3:4])]]
+    assert batches[0][0] < 0.4 and batches[1][0] < 0.45, batches
+    assert all(news == [] for _, news in batches[2:]) and 1 <= len(batches) - 2 <= 3  # one a wait, then ended
+
+
 class LoopBoard:
     """ExchangeBoard's interface over one in-process IndexExchange, for routers on loops of their own
-    (the test's Serving): a pull with nothing new returns after a short sleep instead of a long poll."""
+    (the test's Serving): with nothing new, the subscription looks again after a short sleep instead
+    of waiting for a push."""
 
     def __init__(self):
         self.exchange = IndexExchange()
@@ -90,11 +124,13 @@ class LoopBoard:
     async def push(self, deployment, router, entries):
         return self.exchange.push(router, entries)
 
-    async def pull(self, deployment, router, cursor, wait_s):
-        out = self.exchange.pull(router, cursor)
-        if not out[1]:
-            await asyncio.sleep(min(wait_s, 0.005))
-        return out
+    async def subscribe(self, deployment, router, cursor, wait_s):
+        while True:
+            cursor, news, others = self.exchange.pull(router, cursor)
+            if news:
+                yield cursor, news, others
+            else:
+                await asyncio.sleep(min(wait_s, 0.005))
 
 
 def sharing_pair(serving, now: float, names: str = "wxyz", **stats):
@@ -133,7 +169,8 @@ def test_two_routers_sharing_route_a_turn_where_the_other_sent_the_last_one(serv
     # The answer's entry carried only the blocks past its prompt; b had the prompt's from a's send.
     prompt_blocks = (len(turn1) - 1) // 8
     answer_entry = next(e for _, _, e in a.sync._board.exchange._log if e[3] == "t1")
-    assert unpack(answer_entry)[1] == blocks(turn1 + answer)[prompt_blocks:answered] and answer_entry[2] is None
+    sent_keys = [routing_key(h) for h in blocks(turn1 + answer)[prompt_blocks:answered]]
+    assert unpack(answer_entry)[1] == sent_keys and answer_entry[2] is None
 
 
 def test_a_router_counts_the_requests_another_just_sent_and_sends_its_own_elsewhere(serving):
@@ -210,9 +247,9 @@ def test_a_cancelled_call_keeps_the_boards_handle_and_a_dead_actor_drops_it():
     A call Ray cancelled (a request's child, when the request ended) must not; a dead actor's must."""
     import ray.exceptions
 
-    from router.index_exchange import _ActorBoard
+    from router.index_sync import _ActorBoard
 
-    class Method:
+    class Call:  # an actor method whose call fails with `error` (a push)
         def __init__(self, error):
             self.error = error
 
@@ -221,17 +258,32 @@ def test_a_cancelled_call_keeps_the_boards_handle_and_a_dead_actor_drops_it():
                 raise self.error
             return fail()
 
-    for error, kept in ((ray.exceptions.TaskCancelledError(), True), (ray.exceptions.ActorDiedError(), False)):
-        board = _ActorBoard()
-        board._actor = type("Actor", (), {"push": Method(error)})()
-        try:
-            asyncio.run(board.push("app/LLMServer", "a", []))
-        except Exception:
+    class Stream(Call):  # one whose streaming call fails (a subscription)
+        def options(self, **kwargs):
+            return self
+
+        def remote(self, *args):
+            async def fail():
+                raise self.error
+                yield
+            return fail()
+
+    async def subscribe(board):
+        async for _ in board.subscribe("app/LLMServer", "a", None, 0.25):
             pass
-        assert (board._actor is not None) == kept, error
+
+    for error, kept in ((ray.exceptions.TaskCancelledError(), True), (ray.exceptions.ActorDiedError(), False)):
+        for call in (lambda board: board.push("app/LLMServer", "a", []), subscribe):
+            board = _ActorBoard()
+            board._actor = type("Actor", (), {"push": Call(error), "subscribe": Stream(error)})()
+            try:
+                asyncio.run(call(board))
+            except Exception:
+                pass
+            assert (board._actor is not None) == kept, error
 
 
-def test_pushes_and_polls_run_outside_the_request_that_started_them():
+def test_pushes_and_subscriptions_run_outside_the_request_that_started_them():
     """Ray counts an actor call made in a request's context as that request's child, and cancels it
     when the request ends (a streamed answer's does): IndexSync's tasks start with contexts of their own."""
     import contextvars
@@ -244,10 +296,11 @@ def test_pushes_and_polls_run_outside_the_request_that_started_them():
             seen.append(("push", request.get()))
             return True
 
-        async def pull(self, deployment, router, cursor, wait_s):
-            seen.append(("pull", request.get()))
-            await asyncio.sleep(0.01)
-            return 0, [], True
+        async def subscribe(self, deployment, router, cursor, wait_s):
+            while True:
+                seen.append(("subscription", request.get()))
+                await asyncio.sleep(0.01)
+                yield 0, [], True
 
     async def main():
         request.set("req-1")  # as in the request whose routing started the sharing
@@ -259,7 +312,7 @@ def test_pushes_and_polls_run_outside_the_request_that_started_them():
         sync._task.cancel()
 
     asyncio.run(main())
-    assert ("push", None) in seen and ("pull", None) in seen and all(ctx is None for _, ctx in seen)
+    assert ("push", None) in seen and ("subscription", None) in seen and all(ctx is None for _, ctx in seen)
 
 
 def test_an_answers_entry_rides_with_the_next_send_or_goes_alone_within_the_delay():
@@ -272,9 +325,10 @@ def test_an_answers_entry_rides_with_the_next_send_or_goes_alone_within_the_dela
             pushes.append([entry[2] is not None for entry in entries])  # which entries were sends
             return True
 
-        async def pull(self, deployment, router, cursor, wait_s):
-            await asyncio.sleep(0.01)
-            return 0, [], True
+        async def subscribe(self, deployment, router, cursor, wait_s):
+            while True:
+                await asyncio.sleep(0.01)
+                yield 0, [], True
 
     async def main():
         sync = IndexSync(0.01, "app/LLMServer")
