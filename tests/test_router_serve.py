@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 
 import httpx
 import pytest
@@ -307,3 +308,44 @@ def test_every_send_reaches_every_other_router_through_the_clusters_board(serve_
                 answer_after_s=0.2, seconds=1.5, share_index_s=0.25, seed=0)
     assert r["sends"] > 30 and r["delivered"] == r["expected_deliveries"] == 2 * r["sends"], r
     assert r["answers_delivered"] > 0 and r["lag_ms_p90"] < 150, r
+
+
+@ray.remote(num_cpus=0)
+class ExchangingRouter:
+    """One router's side of the exchange (`IndexSync`) in a process of its own, as an ingress replica's."""
+
+    async def start(self) -> None:
+        from router.index_sync import IndexSync
+
+        self.got = []
+        self.sync = IndexSync(0.25, "board-test/LLMServer")
+        self.sync.start(lambda replica, chain, sent, ended: self.got.append(sent and sent.request_id))
+
+    async def send(self, request_id: str) -> None:
+        from router.scoring import Routed
+
+        self.sync.learned("r1", [bytes(32)], sent=Routed(time.time(), 16, 16, request_id))
+
+    async def received(self) -> list:
+        return list(self.got)
+
+
+def test_routers_move_to_a_new_board_when_theirs_dies(serve_cluster):
+    """The board goes with the process that made it (an ingress replica): the routers' subscriptions
+    end with it, and the next calls make a new board, through which their sends reach each other again."""
+    from router.index_exchange import BOARD_NAME, BOARD_NAMESPACE
+
+    a, b = ExchangingRouter.remote(), ExchangingRouter.remote()
+    ray.get([a.start.remote(), b.start.remote()])
+    try:
+        for i, (sender, receiver) in enumerate(((a, b), (a, b), (b, a))):
+            if i == 1:
+                ray.kill(ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE))
+
+            def arrived():  # sent again until it does: a push to the dying board is lost (soft state)
+                ray.get(sender.send.remote(f"q{i}"))
+                return f"q{i}" in ray.get(receiver.received.remote())
+            wait_until(arrived, 15, f"send {i} through the board")
+    finally:
+        for router in (a, b):
+            ray.kill(router)
