@@ -92,8 +92,12 @@ def measure(routers: int, processes: int, requests_per_s: float, prompt_blocks: 
     hosts = [RouterHost.remote(n, deployment, share_index_s) for n in counts]
     try:
         ray.get([h.start.remote() for h in hosts])
-        time.sleep(2 * share_index_s)  # every router's poll waiting: all are heard from
-        before, t0 = board_stats(), time.monotonic()
+        time.sleep(2 * share_index_s)  # every router's subscription waiting: all are heard from
+        deadline = time.monotonic() + 30
+        while (before := board_stats()) is None:  # the routers' first calls make the board
+            assert time.monotonic() < deadline, "no exchange board within 30 s"
+            time.sleep(0.05)
+        t0 = time.monotonic()
         runs = ray.get([h.run.remote(requests_per_s, prompt_blocks, answer_blocks, answer_after_s, seconds, seed + i)
                         for i, h in enumerate(hosts)])
         wall, after = time.monotonic() - t0, board_stats()
@@ -134,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     args = p.parse_args(argv)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"{'routers':>7} {'req/s':>6} {'sends':>6} {'delivered':>10} {'lag p50':>8} {'p90':>7} {'p99':>8} "
-          f"{'board CPU':>9} {'pushes/s':>8} {'pulls/s':>8} {'entries out/s':>13} {'routers CPU':>11}")
+          f"{'board CPU':>9} {'pushes/s':>8} {'batches/s':>9} {'entries out/s':>13} {'routers CPU':>11}")
     rows = []
     try:
         for n in map(int, args.routers.split(",")):
@@ -145,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
             print(f"{n:>7} {n * rate:>6.0f} {r['sends']:>6} "
                   f"{r['delivered'] / max(1, r['expected_deliveries']):>9.1%} {r['lag_ms_p50']:>6.1f}ms "
                   f"{r['lag_ms_p90']:>5.1f}ms {r['lag_ms_p99']:>6.1f}ms {r['board_cpu_share']:>9.1%} "
-                  f"{r['board_pushes_per_s']:>8.1f} {r['board_pulls_per_s']:>8.1f} "
+                  f"{r['board_pushes_per_s']:>8.1f} {r['board_pulls_per_s']:>9.1f} "
                   f"{r['board_entries_out_per_s']:>13.0f} {r['routers_cpu_share']:>11.1%}")
     finally:
         ray.shutdown()

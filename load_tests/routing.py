@@ -176,7 +176,7 @@ def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> L
                 ex = m.get("index_exchange")
                 if ex and ex["pulls_per_s"]:
                     print(f"{'':>8} {'':8} {'':20} index exchange: {ex['pushes_per_s']:.1f} pushes/s "
-                          f"({ex['entries_in_per_s']:.1f} entries), {ex['pulls_per_s']:.1f} pulls/s, hashes "
+                          f"({ex['entries_in_per_s']:.1f} entries), {ex['pulls_per_s']:.1f} batches/s to routers, blocks "
                           f"{ex['hashes_in_per_s']:.0f}/s in, {ex['hashes_out_per_s']:.0f}/s out "
                           f"(~{ex['kb_per_s']:.0f} KB/s), its actor {ex['board_cpu_share']:.1%} of a core")
             checks += [(n, kind, what, met) for what, met in targets(kind, by_router)]
