@@ -48,8 +48,8 @@ class LLMRouterConfig(BaseModel):
         0.25, ge=0.0, description="Sharing with the deployment's other routers (each ingress replica and Python "
         "handle caller routes with its own), through one actor, off the decision's path: this router pushes "
         "each request it sends (its replica, its prompt's blocks, its load) and each answer's blocks as soon "
-        "as its loop is free, and takes the others' by a long poll that returns at once when one pushes, or "
-        "after this many seconds with nothing; a router alone pushes nothing (0: off).")
+        "as its loop is free, and takes the others' on a subscription the actor sends to at once when one "
+        "pushes, or after this many seconds with nothing; a router alone pushes nothing (0: off).")
     default_output_tokens: int = Field(
         128, ge=1, description="Expected answer length until answers have been seen (capped by max_tokens).")
     max_tracked_requests: int = Field(

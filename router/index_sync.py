@@ -84,7 +84,7 @@ class IndexSync:
                 return
             board = _ActorBoard()
         self._board, self._loop = board, asyncio.get_running_loop()
-        self._task = self._loop.create_task(self._poll(apply), context=contextvars.Context())
+        self._task = self._loop.create_task(self._subscription(apply), context=contextvars.Context())
 
     def _flush_soon(self) -> None:
         # A context of its own, as the subscription's: started from a request's, Ray would count its
@@ -102,7 +102,7 @@ class IndexSync:
         finally:
             self._flushing = False
 
-    async def _poll(self, apply: Apply) -> None:
+    async def _subscription(self, apply: Apply) -> None:
         while True:  # subscribed again when a subscription ends (SUBSCRIPTION_S) or fails
             try:
                 async for self._cursor, news, self._others in self._board.subscribe(
