@@ -92,10 +92,12 @@ def measure(routers: int, processes: int, requests_per_s: float, prompt_blocks: 
     hosts = [RouterHost.remote(n, deployment, share_index_s) for n in counts]
     try:
         ray.get([h.start.remote() for h in hosts])
-        time.sleep(2 * share_index_s)  # every router's subscription waiting: all are heard from
         deadline = time.monotonic() + 30
-        while (before := board_stats()) is None:  # the routers' first calls make the board
-            assert time.monotonic() < deadline, "no exchange board within 30 s"
+        while True:  # the routers' first calls make the board; each subscription makes its router heard from
+            before = board_stats()
+            if before and before["deployments"].get(deployment, {}).get("routers") == routers:
+                break
+            assert time.monotonic() < deadline, f"not every router subscribed within 30 s: {before}"
             time.sleep(0.05)
         t0 = time.monotonic()
         runs = ray.get([h.run.remote(requests_per_s, prompt_blocks, answer_blocks, answer_after_s, seconds, seed + i)

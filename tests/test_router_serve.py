@@ -301,13 +301,15 @@ def test_a_chat_whose_turns_alternate_between_two_routers_stays_on_its_replica(s
 def test_every_send_reaches_every_other_router_through_the_clusters_board(serve_cluster):
     """Three routers' exchanges (`IndexSync`) in two processes, on the cluster's real board actor
     (`load_tests.exchange_micro`, small): every send one pushes reaches both others through their
-    subscriptions, soon after it is pushed (not at the next empty batch, every 0.25 s), and answers too."""
-    from load_tests.exchange_micro import measure
+    subscriptions as it is pushed, and answers too. Their empty batches come every 5 s: a send that
+    waited for one would miss the run's end (1 s after the last send) and go uncounted."""
+    from load_tests.exchange_micro import DRAIN_S, measure
 
     r = measure(routers=3, processes=2, requests_per_s=20, prompt_blocks=40, answer_blocks=4,
-                answer_after_s=0.2, seconds=1.5, share_index_s=0.25, seed=0)
+                answer_after_s=0.2, seconds=1.5, share_index_s=5.0, seed=0)
+    assert r["seconds"] + DRAIN_S < 5.0
     assert r["sends"] > 30 and r["delivered"] == r["expected_deliveries"] == 2 * r["sends"], r
-    assert r["answers_delivered"] > 0 and r["lag_ms_p90"] < 150, r
+    assert r["answers_delivered"] > 0, r
 
 
 @ray.remote(num_cpus=0)
