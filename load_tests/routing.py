@@ -34,7 +34,7 @@ from batcher.simulated import preset_for
 from cluster.local_serve import local_serve
 from load_tests.bench_client import Target, run_load
 from load_tests.routing_chats import chat_starts, sessions
-from load_tests.routing_metrics import exchange_volume, summarize
+from load_tests.routing_metrics import RoundResult, exchange_volume, pool_rounds, summarize
 from load_tests.routing_replay import (REPLICA_HEADER, TIMING_HEADER, chat_turns, decisions_ttfts, exact_loads_ttfts,
                                        ttft_parts_line)
 from load_tests.routing_trace import TraceWorkload, trace_workload
@@ -82,43 +82,55 @@ def run_fleet(args, replicas: int, apps: Dict[str, object], url_base: str,
               trace: Optional[TraceWorkload], tokenizer) -> Dict[str, Dict[str, dict]]:
     from ray import serve
 
-    results: Dict[str, Dict[str, dict]] = {}
     step = preset_for(f"sim:{args.preset}").step
     if trace is not None:  # the replays' inputs, and the yardstick every router of this fleet is read against
         prompts, max_tokens = [r.prompt for r in trace.requests], [r.max_tokens for r in trace.requests]
         exact = exact_loads_ttfts(prompts, max_tokens, trace.arrivals, step, SHAPE, replicas)
-    for name, application in apps.items():
-        app = f"route{replicas}{name.replace('-', '')}"
-        serve.run(application, name=app, route_prefix=f"/{app}")
-        url = f"{url_base}/{app}"
-        users = args.users_per_replica * replicas
-        for kind in args.workloads:
-            board_before = board_stats()
-            if kind == "trace":
-                target = Target(url, api="completions", record_headers=(REPLICA_HEADER, TIMING_HEADER))
-                result = asyncio.run(run_load(target, trace.requests, arrivals=trace.arrivals,
-                                              timeout_s=args.timeout_s))
-            else:
-                target = Target(url, record_headers=(REPLICA_HEADER, TIMING_HEADER))
-                work = sessions(kind, users, args.turns, args.system_words, args.user_words, args.max_tokens, args.seed)
-                result = asyncio.run(run_load(target, work, chat_starts(len(work), args.think_s, args.seed),
-                                              timeout_s=args.timeout_s, think_s=args.think_s, seed=args.seed))
-            m = results.setdefault(kind, {})[name] = summarize(result.records, result.duration_s, replicas)
-            m["index_exchange"] = exchange_volume(app, board_before, board_stats(), result.duration_s)
-            if kind == "trace":
-                m.update(infinite_cache_share=trace.infinite_cache_share,
-                         prefill_load=prefill_load(trace, args.preset, replicas), **exact)
-                by_index = {r.index: r for r in result.records if r.ok}
-                ok = [by_index.get(i) for i in range(len(prompts))]
-                replica_of = [r and r.headers.get(REPLICA_HEADER) for r in ok]
-                m.update(decisions_ttfts(prompts, max_tokens, trace.arrivals, replica_of, step, SHAPE, replicas, ok))
-            else:  # the run's own send times: a closed loop's arrivals depend on its router
-                turns, budgets, sent, replica_of, turn_records = chat_turns(work, result.records, tokenizer)
-                m.update(exact_loads_ttfts(turns, budgets, sent, step, SHAPE, replicas),
-                         **decisions_ttfts(turns, budgets, sent, replica_of, step, SHAPE, replicas, turn_records))
-            print(f"  {replicas} replicas, {name:20s} {kind:7s} {m}", flush=True)
-        serve.delete(app)
-    return results
+    rounds: Dict[str, Dict[str, List[RoundResult]]] = {kind: {name: [] for name in apps} for kind in args.workloads}
+    for round_ in range(args.rounds):
+        for name in round_order(list(apps), round_):
+            app = f"route{replicas}{name.replace('-', '')}"
+            serve.run(apps[name], name=app, route_prefix=f"/{app}")
+            url = f"{url_base}/{app}"
+            users = args.users_per_replica * replicas
+            for kind in args.workloads:
+                board_before, samples = board_stats(), {}
+                if kind == "trace":
+                    target = Target(url, api="completions", record_headers=(REPLICA_HEADER, TIMING_HEADER))
+                    result = asyncio.run(run_load(target, trace.requests, arrivals=trace.arrivals,
+                                                  timeout_s=args.timeout_s))
+                else:
+                    target = Target(url, record_headers=(REPLICA_HEADER, TIMING_HEADER))
+                    work = sessions(kind, users, args.turns, args.system_words, args.user_words, args.max_tokens,
+                                    args.seed)
+                    result = asyncio.run(run_load(target, work, chat_starts(len(work), args.think_s, args.seed),
+                                                  timeout_s=args.timeout_s, think_s=args.think_s, seed=args.seed))
+                m = summarize(result.records, result.duration_s, replicas)
+                m["index_exchange"] = exchange_volume(app, board_before, board_stats(), result.duration_s)
+                if kind == "trace":
+                    m.update(infinite_cache_share=trace.infinite_cache_share,
+                             prefill_load=prefill_load(trace, args.preset, replicas), **exact)
+                    by_index = {r.index: r for r in result.records if r.ok}
+                    ok = [by_index.get(i) for i in range(len(prompts))]
+                    replica_of = [r and r.headers.get(REPLICA_HEADER) for r in ok]
+                    m.update(decisions_ttfts(prompts, max_tokens, trace.arrivals, replica_of, step, SHAPE, replicas,
+                                             ok, samples))
+                else:  # the run's own send times: a closed loop's arrivals depend on its router
+                    turns, budgets, sent, replica_of, turn_records = chat_turns(work, result.records, tokenizer)
+                    m.update(exact_loads_ttfts(turns, budgets, sent, step, SHAPE, replicas),
+                             **decisions_ttfts(turns, budgets, sent, replica_of, step, SHAPE, replicas, turn_records,
+                                               samples))
+                rounds[kind][name].append(RoundResult(m, result.records, result.duration_s, samples))
+                print(f"  {replicas} replicas, round {round_ + 1}, {name:20s} {kind:7s} {m}", flush=True)
+            serve.delete(app)
+    return {kind: {name: pool_rounds(runs, replicas) for name, runs in by_router.items()}
+            for kind, by_router in rounds.items()}
+
+
+def round_order(routers: List[str], round_: int) -> List[str]:
+    """The routers in the order given, reversed every other round: whatever drifts over a run (the
+    machine, Serve's long-lived proxy) then weighs on every router alike (A B C, C B A, ...)."""
+    return routers if round_ % 2 == 0 else routers[::-1]
 
 
 def targets(kind: str, by_router: Dict[str, dict]) -> List[tuple]:
@@ -173,6 +185,10 @@ def report(all_results: Dict[int, Dict[str, Dict[str, dict]]], preset: str) -> L
                       f"{m['ttft_ms_p90']:>7.0f}ms {m['ttft_ms_p99']:>7.0f}ms {m['output_tokens_per_s']:>9.0f} "
                       f"{m.get('inflight_per_replica', float('nan')):>9.1f} {imb:>8} "
                       f"{m['failed']:>6}")
+                if "rounds" in m:
+                    print(f"{'':>8} {'':8} {'':20} by round: TTFT p90 "
+                          + " / ".join(f"{r['ttft_ms_p90']:.0f}" for r in m["rounds"]) + " ms, cached "
+                          + " / ".join(f"{r['cached_share']:.1%}" for r in m["rounds"]))
                 ex = m.get("index_exchange")
                 if ex and ex["pulls_per_s"]:
                     print(f"{'':>8} {'':8} {'':20} index exchange: {ex['pushes_per_s']:.1f} pushes/s "
@@ -249,11 +265,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--ingress-replicas", type=int, default=1,
                    help="HTTP ingress replicas: each routes with a router of its own (Serve's proxy spreads requests)")
     p.add_argument("--stats-period-s", type=float, default=0.5)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every router this many times, the order reversed every other round (A B C, C B A), "
+                        "and pool each router's requests over its rounds")
     p.add_argument("--timeout-s", type=float, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="results/routing.json")
     args = p.parse_args(argv)
     args.routers, args.workloads = args.routers.split(","), args.workloads.split(",")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     from deployments.app import build_app
 
     fleets = [int(n) for n in args.replicas.split(",")]

@@ -1,13 +1,16 @@
 """What one run of `load_tests.routing` measured for one router: the load generator's summary, the
-requests in flight per replica and their balance, and what the routers exchanged."""
+requests in flight per replica and their balance, and what the routers exchanged; its rounds pooled."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
 
 from batcher.block_hash import ROUTING_KEY_BYTES
 from load_tests.bench_client import BenchRecord
 from load_tests.bench_metrics import summarize as summarize_load
-from load_tests.routing_replay import REPLICA_HEADER
+from load_tests.routing_replay import REPLICA_HEADER, p50_p90_ms
 
 
 def inflight_imbalance(records: Sequence[BenchRecord], num_replicas: int) -> Optional[float]:
@@ -56,3 +59,45 @@ def exchange_volume(app: str, before: Optional[dict], after: Optional[dict], wal
     # Each block crosses as its routing key; what crosses the wire is both directions, pickled (a little more).
     return {**per_s, "kb_per_s": ROUTING_KEY_BYTES * (per_s["hashes_in_per_s"] + per_s["hashes_out_per_s"]) / 1000,
             "board_cpu_share": (after["cpu_s"] - (before or {"cpu_s": 0.0})["cpu_s"]) / wall_s}
+
+
+@dataclass
+class RoundResult:
+    """One router's run of one workload in one round of `load_tests.routing --rounds`."""
+
+    metrics: dict
+    records: List[BenchRecord]
+    wall_s: float
+    samples: Dict[str, np.ndarray]  # per-request seconds by figure (routing_replay.decisions_ttfts)
+
+
+def pool_rounds(rounds: Sequence[RoundResult], num_replicas: int) -> dict:
+    """One router's figures over every round of a workload: the client's (TTFT percentiles, cached
+    share, failures, throughput) from every round's requests together, the replayed and outside-engine
+    percentiles from every round's per-request samples, the in-flight balance, the exchange's rates and
+    the rest the rounds' mean; each round's own under "rounds". One round: its figures as they are."""
+    if len(rounds) == 1:
+        return rounds[0].metrics
+    pooled = summarize([r for x in rounds for r in x.records], sum(x.wall_s for x in rounds), num_replicas)
+    # A round where a request failed has no replayed figures (decisions_ttfts): the others still pool.
+    for name in dict.fromkeys(n for x in rounds for n in x.samples):
+        pooled.update(p50_p90_ms(name, np.concatenate([x.samples[name] for x in rounds if name in x.samples])))
+    out = {}
+    for key in dict.fromkeys(k for x in rounds for k in x.metrics):
+        values = [x.metrics[key] for x in rounds if x.metrics.get(key) is not None]
+        if key in pooled:
+            out[key] = pooled[key]
+        elif values and isinstance(values[0], dict):  # the exchange's rates
+            out[key] = {k: _mean([v.get(k) for v in values]) for k in values[0]}
+        elif values and all(isinstance(v, (int, float)) for v in values):
+            out[key] = _mean(values)
+        else:
+            out[key] = values[0] if values else None
+    out["inflight_max_over_mean"] = _mean([x.metrics["inflight_max_over_mean"] for x in rounds])
+    out["rounds"] = [x.metrics for x in rounds]
+    return out
+
+
+def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None

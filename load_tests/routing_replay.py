@@ -18,7 +18,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional, Sequence, Set
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Set
 
 import numpy as np
 
@@ -189,18 +189,22 @@ def chat_turns(work: Sequence[BenchRequest], records: Sequence[BenchRecord], tok
 
 def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
                     replica_of: Sequence[Optional[str]], step: StepTimeModel, shape: EngineShape, replicas: int,
-                    records: Optional[Sequence[Optional[BenchRecord]]] = None) -> dict:
+                    records: Optional[Sequence[Optional[BenchRecord]]] = None,
+                    samples: Optional[Dict[str, np.ndarray]] = None) -> dict:
     """For the routing benchmark: TTFT p50/p90 (ms) of a run's decisions in the model; none when a
     request has no replica (it failed). With the client's records (request order, None where one
     failed), also what each request spent outside the modelled engine (client TTFT less modelled),
     and its parts from the ingress's Server-Timing header: the replica's own TTFT against the model's,
     the ingress's prepare, routing and Serve's hops (its ttft less prepare and replica-ttft: the
     request's way to the replica, the decision included, and the first chunk's way back,
-    from-replica), the proxy and HTTP (the client's TTFT less the ingress's)."""
+    from-replica), the proxy and HTTP (the client's TTFT less the ingress's). `samples`, when given,
+    gets each figure's per-request seconds by name (rounds of a run are pooled from them)."""
     if not all(replica_of):
         return {}
     r = replay(prompts, max_tokens, arrivals, assigned(replica_of), step, shape, replicas)
     out = {"modelled_ttft_ms_p50": r.ttft_ms(50), "modelled_ttft_ms_p90": r.ttft_ms(90)}
+    if samples is not None:
+        samples["modelled_ttft"] = np.array(r.ttft_s)
     if records is None:
         return out
     client = np.array([x.ttft_s if x and x.ttft_s is not None else math.nan for x in records], dtype=float)
@@ -213,10 +217,18 @@ def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
              "to_replica": ingress_ttft - prepare - replica_ttft - from_replica, "from_replica": from_replica,
              "proxy_and_http": client - ingress_ttft}
     for name, seconds in parts.items():
-        if not np.isnan(seconds).all():
-            out.update({f"{name}_ms_p50": float(np.nanpercentile(seconds, 50) * 1000),
-                        f"{name}_ms_p90": float(np.nanpercentile(seconds, 90) * 1000)})
+        out.update(p50_p90_ms(name, seconds))
+        if samples is not None:
+            samples[name] = seconds
     return out
+
+
+def p50_p90_ms(name: str, seconds: np.ndarray) -> dict:
+    """{name_ms_p50, name_ms_p90} of per-request seconds (NaN where a request lacks the figure); none if all do."""
+    if np.isnan(seconds).all():
+        return {}
+    return {f"{name}_ms_p50": float(np.nanpercentile(seconds, 50) * 1000),
+            f"{name}_ms_p90": float(np.nanpercentile(seconds, 90) * 1000)}
 
 
 # The parts of a request's TTFT the ingress's Server-Timing header tells (decisions_ttfts' keys).

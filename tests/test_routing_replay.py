@@ -107,6 +107,47 @@ def test_the_server_timing_header_splits_what_a_request_spent_outside_the_model(
             ) in capsys.readouterr().out
 
 
+def test_rounds_pool_each_routers_requests_and_alternate_the_routers_order():
+    from load_tests.bench_client import BenchRecord
+    from load_tests.routing import round_order
+    from load_tests.routing_metrics import RoundResult, pool_rounds, summarize
+    from load_tests.routing_replay import TIMING_HEADER, decisions_ttfts
+
+    assert [round_order(["a", "b", "c"], r) for r in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    prompts = [list(range(i * 100, i * 100 + 50)) for i in range(3)]
+    arrivals = [0.0, 1.0, 2.0]
+    modelled = replay(prompts, [2] * 3, arrivals, assigned(["a"] * 3), STEP, SHAPE, 1).ttft_s
+
+    def one_round(outside_s: float, failed: int, pushes: float) -> RoundResult:
+        records = [BenchRecord(index=i, start_s=float(i), status=200, ttft_s=m + outside_s, e2e_s=m + outside_s,
+                               prompt_tokens=50, cached_tokens=10, headers={
+                                   TIMING_HEADER: f"prepare;dur=1.0, replica-ttft;dur={m * 1000:.3f}, "
+                                                  f"ttft;dur={m * 1000 + 2:.3f}, from-replica;dur=1.0"})
+                   for i, m in enumerate(modelled)]
+        samples = {}
+        m = {**summarize(records + [BenchRecord(index=9, status=503)] * failed, 3.0, 1),
+             **decisions_ttfts(prompts, [2] * 3, arrivals, ["a"] * 3, STEP, SHAPE, 1, records, samples),
+             "index_exchange": {"pushes_per_s": pushes}}
+        return RoundResult(m, records + [BenchRecord(index=9, status=503)] * failed, 3.0, samples)
+
+    first, second = one_round(0.040, 0, 2.0), one_round(0.080, 1, 4.0)
+    pooled = pool_rounds([first, second], 1)
+    # Every request of both rounds counts once: half of them 40 ms outside the engine, half 80. The
+    # mean of the rounds' percentiles would say 60 ms at p90.
+    assert pooled["outside_engine_ms_p50"] == pytest.approx(60, abs=0.01)
+    assert pooled["outside_engine_ms_p90"] == pytest.approx(80, abs=0.01)
+    assert pooled["ttft_ms_p90"] > (first.metrics["ttft_ms_p90"] + second.metrics["ttft_ms_p90"]) / 2
+    assert pooled["requests"] == 7 and pooled["failed"] == 1 and pooled["cached_share"] == pytest.approx(0.2)
+    assert pooled["modelled_ttft_ms_p90"] == pytest.approx(first.metrics["modelled_ttft_ms_p90"])
+    assert pooled["index_exchange"] == {"pushes_per_s": 3.0}
+    assert pooled["rounds"] == [first.metrics, second.metrics]
+    assert pool_rounds([first], 1) is first.metrics  # one round: as measured, nothing added
+    # A round where a request failed has no replayed figures: the other rounds' still pool.
+    failed = RoundResult(summarize([BenchRecord(index=0, status=503)], 3.0, 1), [BenchRecord(index=0, status=503)],
+                         3.0, {})
+    assert pool_rounds([failed, first], 1)["outside_engine_ms_p90"] == pytest.approx(40, abs=0.01)
+
+
 def test_routers_that_know_each_others_requests_at_once_decide_as_one_and_blind_ones_pile_up():
     """load_tests.routing_staleness: a burst of long unique prompts, one report before it (all idle).
     Two routers that know each other's sends at once are one router; never knowing them, each sees
