@@ -79,6 +79,7 @@ def pool_rounds(rounds: Sequence[RoundResult], num_replicas: int) -> dict:
     if len(rounds) == 1:
         return rounds[0].metrics
     pooled = summarize([r for x in rounds for r in x.records], sum(x.wall_s for x in rounds), num_replicas)
+    del pooled["inflight_max_over_mean"]  # the rounds' start times overlap: their mean, below
     # A round where a request failed has no replayed figures (decisions_ttfts): the others still pool.
     for name in dict.fromkeys(n for x in rounds for n in x.samples):
         pooled.update(p50_p90_ms(name, np.concatenate([x.samples[name] for x in rounds if name in x.samples])))
@@ -93,7 +94,6 @@ def pool_rounds(rounds: Sequence[RoundResult], num_replicas: int) -> dict:
             out[key] = _mean(values)
         else:
             out[key] = values[0] if values else None
-    out["inflight_max_over_mean"] = _mean([x.metrics["inflight_max_over_mean"] for x in rounds])
     out["rounds"] = [x.metrics for x in rounds]
     return out
 

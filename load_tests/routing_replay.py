@@ -202,15 +202,15 @@ def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
     if not all(replica_of):
         return {}
     r = replay(prompts, max_tokens, arrivals, assigned(replica_of), step, shape, replicas)
-    out = {"modelled_ttft_ms_p50": r.ttft_ms(50), "modelled_ttft_ms_p90": r.ttft_ms(90)}
+    modelled = np.array(r.ttft_s)
+    out = p50_p90_ms("modelled_ttft", modelled)
     if samples is not None:
-        samples["modelled_ttft"] = np.array(r.ttft_s)
+        samples["modelled_ttft"] = modelled
     if records is None:
         return out
     client = np.array([x.ttft_s if x and x.ttft_s is not None else math.nan for x in records], dtype=float)
     timing = np.array([server_timing(x.headers.get(TIMING_HEADER) if x else None) for x in records], dtype=float)
     prepare, replica_ttft, ingress_ttft, from_replica = (timing[:, i] / 1000 for i in range(4))
-    modelled = np.array(r.ttft_s)
     parts = {"outside_engine": client - modelled, "replica_ttft": replica_ttft,
              "replica_over_model": replica_ttft - modelled, "prepare": prepare,
              "routing_and_hops": ingress_ttft - prepare - replica_ttft,
