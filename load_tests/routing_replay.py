@@ -29,6 +29,7 @@ from deployments.protocol import GenerateRequest
 from load_tests.bench_client import BenchRecord, BenchRequest
 from load_tests.routing_trace import cached_tokens, leading_blocks
 from router.config import LLMRouterConfig
+from router.load_bound import LoadWindow
 from router.scoring import EngineShape, FleetLoads, RoutingRequest, score_replicas
 
 REPLICA_HEADER = "x-iterserve-replica"  # the ingress's X-Iterserve-Replica, as the client records it
@@ -134,21 +135,21 @@ class RouterScoring:
                  shape: EngineShape, config: Optional[LLMRouterConfig] = None, seed: int = 0):
         self.prompts, self.max_tokens, self.step, self.shape = prompts, max_tokens, step, shape
         self.config = config or LLMRouterConfig(model="replay")
-        self.rng, self.peaks, self.seen = np.random.default_rng(seed), deque(), []
+        self.rng, self.window, self.seen = np.random.default_rng(seed), LoadWindow(self.config.load_window_s), []
 
     def choose(self, i: int, fleet: List[ReplicaModel], hits: List[int], now: float, loads: FleetLoads) -> int:
         config, prompt = self.config, self.prompts[i]
-        self.peaks.append((now, float(loads.batch.sum())))
-        while self.peaks[0][0] < now - config.load_window_s:
-            self.peaks.popleft()
         cached = np.array([cached_tokens(h, len(prompt), self.shape.block_size) for h in hits], dtype=float)
         expected = sum(self.seen) / len(self.seen) if self.seen else config.default_output_tokens
         self.seen.append(self.max_tokens[i])
         request = RoutingRequest(len(prompt), max(1, round(min(self.max_tokens[i], expected))))
         busy = sum(rep.busy_s for rep in fleet) / (len(fleet) * now) if now > 0 else 0.0
-        ranking = score_replicas(self.step, self.shape, [str(k) for k in range(len(fleet))], loads, cached, request,
+        ids = list(range(len(fleet)))
+        ranking = score_replicas(self.step, self.shape, [str(k) for k in ids], loads, cached, request,
                                  config.load_bound, config.affinity_margin, self.rng,
-                                 fleet_sequences=max(p[1] for p in self.peaks), fleet_busy=busy)
+                                 fleet_sequences=self.window.peak(now, float(loads.batch.sum())), fleet_busy=busy,
+                                 recent_routes=self.window.recent_routes(now, ids))
+        self.window.routed(now, int(ranking.order[0]))
         return int(ranking.order[0])
 
 

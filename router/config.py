@@ -28,11 +28,14 @@ class LLMRouterConfig(BaseModel):
         "fleet's average), never as idle.")
     load_bound: float = Field(
         1.25, ge=1.0, description="No replica takes a request that would put it above this times the "
-        "fleet's mean sequences per replica (bounded-load affinity), unless every replica is above it.")
+        "fleet's mean sequences per replica (bounded-load affinity), unless every replica is above it; beyond it "
+        "only within its free batch (sequences that barely slow its step) while its share of this router's recent "
+        "requests is within the same factor (router.load_bound).")
     load_window_s: float = Field(
         30.0, ge=0.0, description="The load bound's fleet mean is the most sequences the fleet held within "
         "this window, so a lull (users reading between turns, the end of a wave) does not push "
-        "conversations off the replicas that cache them (0: the count at the decision).")
+        "conversations off the replicas that cache them; the shares of requests are counted over it too (0: the "
+        "count at the decision, and no free batch).")
     affinity_margin: float = Field(
         1.2, ge=1.0, description="How much more expected wait than the best replica a replica holding the "
         "request's longest cached prefix may have and still win, as a factor (1.0: the expected wait alone "

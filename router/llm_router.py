@@ -18,8 +18,7 @@ import asyncio
 import math
 import random
 import time
-from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -32,6 +31,7 @@ from router.eviction_feed import EvictionFeed
 from router.index import PrefixIndex
 from router.index_sync import IndexSync
 from router.ledger import HashedRequest, RequestLedger
+from router.load_bound import LoadWindow
 from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, Routed, RoutingRequest, adapter_costs,
                             fleet_loads, load_row, own_load, prefill_rate, replica_load, score_replicas, stale_rows)
 
@@ -54,7 +54,7 @@ class LLMRouter(RequestRouter):
         self._reports: Dict[str, tuple] = {}  # replica -> (the stats dict Serve delivered, its Report)
         self._rows: Dict[str, tuple] = {}  # replica -> (stats dict, ledger version, row, step coefficients)
         self._mean_output_tokens: Optional[float] = None
-        self._fleet_peaks: Deque[Tuple[float, float]] = deque()  # (time, fleet sequences), decreasing
+        self.window = LoadWindow(cfg.load_window_s)  # the load bound's recent peak and this router's shares
         self._alive: set = set()  # the replicas Serve last gave this router
         self._lora_ids: Dict[str, str] = {}  # LoRA adapter -> the cache id replicas report for it
         self._adapter_sent: Dict[str, Dict[str, float]] = {}  # adapter -> replica -> last sent there
@@ -82,10 +82,13 @@ class LLMRouter(RequestRouter):
         self.sync.start(self._learned_elsewhere)
         key = pending_request.metadata.internal_request_id
         # Serve asks again for the same request (backoff, a rejection): hashed once, counted once.
-        request = self.ledger.take_back(key) or self.prepare(
+        taken_back = self.ledger.take_back(key)
+        request = taken_back or self.prepare(
             pending_request.args[0], getattr(pending_request.metadata, "multiplexed_model_id", None))
         ranking = self.score(candidate_replicas, request)
         best = ranking[0]
+        if taken_back is None:
+            self.window.routed(time.time(), best.replica)
         self._sent_adapter(request, best.replica)
         # Counted on its first choice, its prefix claimed there, from now on: a burst is routed by
         # concurrent tasks before Serve confirms any (on_request_routed), and each must see the ones
@@ -134,7 +137,8 @@ class LLMRouter(RequestRouter):
         cached = np.fromiter((self._cached_tokens(request, matched.get(rid, 0)) for rid in rids), float, len(rids))
         return score_replicas(steps, self.shape, rids, loads, cached, request.sizes,
                               cfg.load_bound, cfg.affinity_margin, self._rng,
-                              fleet_sequences=self._recent_peak(now, float(loads.batch.sum())),
+                              fleet_sequences=self.window.peak(now, float(loads.batch.sum())),
+                              recent_routes=self.window.recent_routes(now, rids),
                               fleet_busy=float(fresh_busy.mean()) if len(fresh_busy) else 0.0,
                               adapter_seconds=self._adapter_seconds(request.adapter, candidates, rids, now))
 
@@ -161,17 +165,6 @@ class LLMRouter(RequestRouter):
     def _cached_tokens(self, request: HashedRequest, matched_blocks: int) -> int:
         # Never the last token: the engine always computes it.
         return min(matched_blocks * self.shape.block_size, request.sizes.prompt_tokens - 1)
-
-    def _recent_peak(self, now: float, sequences: float) -> float:
-        """The most sequences the fleet held within the last `load_window_s` (this one included): a
-        deque of decreasing counts, so each decision costs O(1) amortized."""
-        peaks = self._fleet_peaks
-        while peaks and peaks[-1][1] <= sequences:
-            peaks.pop()
-        peaks.append((now, sequences))
-        while peaks[0][0] < now - self.config.load_window_s:
-            peaks.popleft()
-        return peaks[0][1]
 
     def load(self, rid: str, stats: Optional[dict], prefill_tokens_per_s: Optional[float] = None) -> Optional[ReplicaLoad]:
         """Replica `rid`'s load as of its report `stats` (None: no report), this router's requests applied;

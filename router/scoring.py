@@ -30,6 +30,7 @@ import numpy as np
 
 from batcher.simulated import StepTimeModel
 from router.cost_model import FleetStepTimes
+from router.load_bound import bounded_load, free_batch
 
 StepTimes = Union[StepTimeModel, FleetStepTimes]  # one model for every replica, or one each
 
@@ -254,7 +255,8 @@ class Ranking(Sequence):
 def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loads: FleetLoads,
                    cached_tokens: np.ndarray, request: RoutingRequest, load_bound: float, affinity_margin: float,
                    rng: np.random.Generator, fleet_sequences: Optional[float] = None,
-                   fleet_busy: float = 0.0, adapter_seconds: Optional[np.ndarray] = None) -> Ranking:
+                   fleet_busy: float = 0.0, adapter_seconds: Optional[np.ndarray] = None,
+                   recent_routes: Optional[np.ndarray] = None) -> Ranking:
     """Every replica's score, best first: replicas with room in their KV cache first, then those
     within the load bound, then by expected seconds; ties (an idle fleet) broken at random.
 
@@ -265,7 +267,12 @@ def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loa
     Unlike a cache miss in consistent hashing, a move here recomputes the whole conversation, so the
     bound is loose where it would bite on counts alone: at least ceil(mean) + 1 (a mean of 1.5
     allows 3, not ceil(1.25 x 1.5) = 2), and `fleet_sequences` (default: the fleet's count now) is
-    the recent peak the caller keeps, not a lull's count.
+    the recent peak the caller keeps, not a lull's count. Above the bound, a replica still takes the
+    request while both say it is not loaded: its batch stays within its `free_batch` (sequences
+    that barely slow its step), and its share of `recent_routes` (the requests the caller sent each
+    replica within its window) stays within the same bound. The share is what spreads a hot prompt:
+    its first turns arrive while the fleet holds a few sequences, and without it the prompt's holder
+    takes a free batch of them, then their conversations fill its KV cache between turns.
 
     `affinity_margin` (>= 1): the replicas holding the longest cached prefix rank as if their
     expected seconds were that many times smaller, so a holder wins up to that factor of the best
@@ -288,9 +295,11 @@ def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loa
         first, seconds = first + adapter_seconds, seconds + adapter_seconds
     kv_full = loads.kv_free < np.ceil((uncached + 1) / shape.block_size)  # NaN (unknown): never full
     total = loads.batch.sum() if fleet_sequences is None else fleet_sequences
-    mean = (total + 1) / max(1, len(replicas))
-    capacity = max(math.ceil(load_bound * mean), math.ceil(mean) + 1)
-    over_bound = loads.batch + 1 > capacity
+    over_bound = loads.batch + 1 > bounded_load(total, len(replicas), load_bound)
+    if recent_routes is not None:
+        free = (loads.batch + 1 <= free_batch(step, request.prompt_tokens)) & (
+            recent_routes + 1 <= bounded_load(recent_routes.sum(), len(replicas), load_bound))
+        over_bound &= ~free
     busy = min(max(fleet_busy, 0.0), 20 / 21)
     key = seconds + busy / (1 - busy) * uncached * step.prefill_token_s
     if affinity_margin != 1.0 and cached_tokens.max(initial=0) > 0:
