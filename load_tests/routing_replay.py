@@ -149,8 +149,9 @@ class RouterScoring:
                                  config.load_bound, config.affinity_margin, self.rng,
                                  fleet_sequences=self.window.peak(now, float(loads.batch.sum())), fleet_busy=busy,
                                  recent_routes=self.window.recent_routes(now, ids))
-        self.window.routed(now, int(ranking.order[0]))
-        return int(ranking.order[0])
+        best = int(ranking.order[0])
+        self.window.routed(now, best)
+        return best
 
 
 def exact_loads(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], step: StepTimeModel,

@@ -33,8 +33,9 @@ def test_a_gpu_holder_keeps_its_conversation_while_its_share_is_fair():
     """An H100 steps 11 sequences of ~400 tokens within 10% of one: at a fleet mean of one sequence,
     a holder running 3 (above the bound's 2) keeps the turn, as long as it has not been sent more
     than its share of the recent requests; a holder that has is bound as before."""
-    reps = lambda now, running: [replica("holder", now, running=running, context_tokens=running * 600)] + [
-        replica(n, now) for n in "bcd"]
+    def reps(now, running):
+        return [replica("holder", now, running=running, context_tokens=running * 600)] + [replica(n, now) for n in "bcd"]
+
     for recent, stays in (({"holder": 2, "b": 2, "c": 1, "d": 2}, True), ({"holder": 7}, False)):
         router, now = make_router(), time.time()
         router.index.insert("holder", blocks(SYSTEM + [1]))
