@@ -275,6 +275,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args.routers, args.workloads = args.routers.split(","), args.workloads.split(",")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    context = preset_for(f"sim:{args.preset}").max_model_len
+    if "trace" in args.workloads and args.trace_max_prompt + args.trace_max_output > context:
+        p.error(f"--trace-max-prompt {args.trace_max_prompt} + --trace-max-output {args.trace_max_output} is more "
+                f"than sim:{args.preset}'s context of {context} tokens: the longer requests would fail")
     from deployments.app import build_app
 
     fleets = [int(n) for n in args.replicas.split(",")]

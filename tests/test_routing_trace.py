@@ -1,5 +1,5 @@
 """The routing benchmark's workloads: the trace's infinite-cache yardstick, how busy a trace keeps a
-fleet, when chat users arrive (plain data, no Ray)."""
+fleet, when chat users arrive (plain data, no Ray), and the trace requests it refuses to send."""
 import pytest
 
 from load_tests.routing import prefill_load, targets
@@ -60,3 +60,19 @@ def test_balance_is_a_target_only_where_each_replica_has_requests_in_flight():
     assert loaded["max/mean in-flight <= 1.5"] is False
     light = dict(targets("skew", {"llm-router": run(0.3), "serve-default": run(0.3)}))
     assert "max/mean in-flight <= 1.5" not in light and light["nothing failed"]
+
+
+def test_the_benchmark_refuses_trace_requests_longer_than_the_presets_context(monkeypatch, capsys):
+    import deployments.app
+    from load_tests.routing import main
+
+    def deployed(*_):
+        raise AssertionError("the benchmark got past its arguments")
+
+    monkeypatch.setattr(deployments.app, "build_app", deployed)
+    with pytest.raises(SystemExit) as refused:  # 8,192 tokens: a cut at 11,200 let 657 of 1,750 fail
+        main(["--workloads", "trace", "--preset", "h100-llama3-8b-measured", "--trace-max-prompt", "11200"])
+    assert refused.value.code == 2
+    assert "context of 8192 tokens" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="got past"):  # the 8B commands' cut fits
+        main(["--workloads", "trace", "--preset", "h100-llama3-8b-measured", "--trace-max-prompt", "8000"])
