@@ -258,7 +258,9 @@ def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loa
                    fleet_busy: float = 0.0, adapter_seconds: Optional[np.ndarray] = None,
                    recent_routes: Optional[np.ndarray] = None) -> Ranking:
     """Every replica's score, best first: replicas with room in their KV cache first, then those
-    within the load bound, then by expected seconds; ties (an idle fleet) broken at random.
+    within the load bound, then by expected seconds; ties (an idle fleet) go to the replica this
+    router sent fewest of its `recent_routes`, then at random. Where every idle replica is equal, a
+    new prompt goes where no other prompt was just sent, not by chance to one already holding one.
 
     The bound is consistent hashing's "bounded loads" (Mirrokni et al., 2018) applied to affinity: a
     replica may hold at most ceil(load_bound x mean) sequences, mean = (`fleet_sequences` + 1) /
@@ -307,7 +309,8 @@ def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loa
         # Against the others that could take it (room in their KV cache, within the bound).
         others_first = first[~holders & ~kv_full & ~over_bound].min(initial=math.inf)
         key = np.where(holders & (first <= others_first), key / affinity_margin, key)
-    order = np.lexsort((rng.random(len(replicas)), key, over_bound, kv_full))
+    recent = recent_routes if recent_routes is not None else np.zeros(len(replicas))
+    order = np.lexsort((rng.random(len(replicas)), recent, key, over_bound, kv_full))
     return Ranking(replicas, seconds, kv_full, over_bound, cached_tokens, order)
 
 
