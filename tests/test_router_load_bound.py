@@ -67,7 +67,7 @@ def test_a_hot_prompts_first_turns_spread_though_the_gpu_batch_is_free(serving):
 def test_new_prompts_on_an_idle_fleet_go_to_replicas_not_just_sent_one(serving):
     """Four system prompts' first turns, one after another, each finished before the next: the idle
     replicas score the same, and the window's routes break the tie, so each prompt gets its own
-    replica (at random, three fleets in four would hold two prompts on one replica and none on another)."""
+    replica (at random, nine fleets in ten would hold two prompts on one replica and none on another)."""
     for attempt in range(3):
         router, now = make_router(), time.time()
         serve = serving(router, [replica(n, now, age_s=0.01) for n in "abcd"])
