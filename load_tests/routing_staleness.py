@@ -2,7 +2,7 @@
 in the replay's engine model (load_tests.routing_replay; a MODEL, not a measurement).
 
 Several routers (ingress replicas) each take a share of a trace's requests at random and rank
-replicas with LLMRouter's scoring, reading each replica's load from its last report (one every
+replicas with LLMRouter's scoring (each its own, with its window of the requests it sent), reading each replica's load from its last report (one every
 `--report-s`, the queued prefill decayed at the replica's rate since, as router.scoring does) plus
 the requests sent since that the router knows of: its own at once, the other routers' only
 `known_after_s` after they were sent (inf: never, until a report counts them). Prints TTFT p50/p90
@@ -30,7 +30,9 @@ SHAPE = EngineShape(block_size=8, max_num_batched_tokens=2048, max_num_seqs=64) 
 def stale_reports(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], step: StepTimeModel,
                   shape: EngineShape, routers: int, report_s: float, known_after_s: float, seed: int = 0) -> Chooser:
     """LLMRouter's scoring by `routers` routers over reports every `report_s` (module docstring)."""
-    scoring, pick = RouterScoring(prompts, max_tokens, step, shape, seed=seed), random.Random(seed)
+    # One scoring per router: each keeps its own window of the requests it sent, as each LLMRouter does.
+    scorings = [RouterScoring(prompts, max_tokens, step, shape, seed=seed + r) for r in range(routers)]
+    pick = random.Random(seed)
     rate = float(prefill_rate(step, shape))
     reports: dict = {}  # replica -> (time, queued tokens, batch, context) as last reported
     last_report = [-math.inf]
@@ -56,7 +58,7 @@ def stale_reports(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], s
             batch.append(b + len(known))
             context.append(c + sum(s[2] for s in known))
         loads = FleetLoads(np.array(queued), np.array(batch), np.array(context), np.full(len(fleet), math.nan))
-        k = scoring.choose(i, fleet, hits, now, loads)
+        k = scorings[me].choose(i, fleet, hits, now, loads)
         sends[k].append((now, len(prompts[i]) - cached_tokens(hits[k], len(prompts[i]), shape.block_size),
                          len(prompts[i]), me))
         return k

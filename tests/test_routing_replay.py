@@ -170,5 +170,8 @@ def test_the_staleness_model_prints_each_delay_against_one_router(tmp_path, caps
 
     out = main(["--trace-window-s", "20", "--delays", "0,inf", "--json", str(tmp_path / "s.json")])
     assert [(r["routers"], r["known_after_s"]) for r in out["runs"]] == [(1, 0.0), (2, 0.0), (2, float("inf"))]
-    assert out["runs"][1]["ttft_ms_p90"] == out["runs"][0]["ttft_ms_p90"]
+    # Each router keeps its own window of the requests it sent (the load bound's share, the ties), as
+    # each LLMRouter does: known at once, two routers decide nearly as one; never, worse.
+    one, shared, blind = (r["ttft_ms_p90"] for r in out["runs"])
+    assert shared <= 1.05 * one and shared < blind
     assert "MODEL" in capsys.readouterr().out and (tmp_path / "s.json").exists()
