@@ -2,11 +2,12 @@
 in the replay's engine model (load_tests.routing_replay; a MODEL, not a measurement).
 
 Several routers (ingress replicas) each take a share of a trace's requests at random and rank
-replicas with LLMRouter's scoring (each its own, with its window of the requests it sent), reading each replica's load from its last report (one every
-`--report-s`, the queued prefill decayed at the replica's rate since, as router.scoring does) plus
-the requests sent since that the router knows of: its own at once, the other routers' only
-`known_after_s` after they were sent (inf: never, until a report counts them). Prints TTFT p50/p90
-for one router and for each delay; writes JSON. What router.index_exchange's sharing of sends is for.
+replicas with LLMRouter's scoring (each its own, with its window of the requests it sent), reading
+each replica's load from its last report (one every `--report-s`, the queued prefill decayed at the
+replica's rate since, as router.scoring does) plus the requests sent since that the router knows
+of: its own at once, the other routers' only `known_after_s` after they were sent (inf: never, until
+a report counts them). Prints TTFT p50/p90 for one router and for each delay; writes JSON. What
+router.index_exchange's sharing of sends is for.
 """
 from __future__ import annotations
 
