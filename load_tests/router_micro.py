@@ -1,9 +1,13 @@
-"""`python -m load_tests.router_micro`: how long one LLMRouter decision takes at 100+ replicas.
+"""`python -m load_tests.router_micro`: LLMRouter's CPU per decision and per request, at 100+ replicas.
 
 No Ray cluster: the router scores stand-ins for Serve's RunningReplica (an id and fresh routing
 stats); every replica's prefix index holds a shared system prompt plus conversations of its own,
-and this router has requests in flight on each. Times `prepare` (hashing the prompt) and `score`
-(index lookups, load estimates, ranking) separately, as p50/p99 over many decisions.
+and this router has requests in flight on each. Times each request's whole way through the router,
+each part as p50/p99 over many requests: the decision (`prepare`: hashing the prompt; `score`: index
+lookups, load estimates, ranking; `claim`: its prefix claimed on its replica), Serve's confirmation
+(`confirm`: the claim becomes cached blocks) and its answer (`answer`: prompt and answer cached).
+Serve runs the decision and the confirmation on the caller's event loop: in an ingress, their sum
+is CPU every request adds there (measured in one: docs/routing_results.md).
 """
 from __future__ import annotations
 
@@ -55,28 +59,51 @@ def fake_fleet(router, replicas: int, prompt_tokens: int, seed: int = 0) -> List
     return fleet
 
 
+PARTS = ("prepare", "score", "claim", "confirm", "answer")  # a request's way through the router, in order
+
+
+ANSWER = list(range(50_000, 50_064))  # every request's answer: 64 tokens, 8 more blocks cached
+
+
+def time_requests(router, fleet, prompts: Sequence[Sequence[int]]) -> dict:
+    """Seconds of each part (PARTS) for each prompt, sent through `router` one after the other:
+    decided over `fleet`, confirmed on its first choice, ended there and answered."""
+    seconds = {part: [] for part in PARTS}
+    for d, ids in enumerate(prompts):
+        request = PreparedRequest(f"micro-{d}", ids, SamplingParams(max_tokens=128))
+        now = time.time()
+        t = [time.perf_counter()]
+        prepared = router.prepare(request)
+        t.append(time.perf_counter())
+        best = router.score(fleet, prepared)[0]
+        t.append(time.perf_counter())
+        router.ledger.chosen(request.request_id, best.replica, prepared, best.cached_tokens, now)
+        t.append(time.perf_counter())
+        router.ledger.routed(request.request_id, best.replica, None, now)
+        t.append(time.perf_counter())
+        router.ledger.completed_on(request.request_id, best.replica, now)
+        router.record_answer(request.request_id, ids, ANSWER)
+        t.append(time.perf_counter())
+        for part, a, b in zip(PARTS, t, t[1:]):
+            seconds[part].append(b - a)
+    return seconds
+
+
 def time_decisions(replicas: int, prompt_tokens: int, decisions: int) -> dict:
     router = make_router()
     fleet = fake_fleet(router, replicas, prompt_tokens)
     system = list(range(1000, 1000 + prompt_tokens // 2))
-    prep_s, score_s = [], []
-    for d in range(decisions):
-        ids = system + [d % replicas, d % 20] * (prompt_tokens // 4)
-        request = PreparedRequest(str(d), ids, SamplingParams(max_tokens=128))
-        t0 = time.perf_counter()
-        prepared = router.prepare(request)
-        t1 = time.perf_counter()
-        router.score(fleet, prepared)
-        score_s.append(time.perf_counter() - t1)
-        prep_s.append(t1 - t0)
+    seconds = time_requests(router, fleet, [system + [d % replicas, d % 20] * (prompt_tokens // 4)
+                                            for d in range(decisions)])
 
     def pcts(xs):
         xs = sorted(x * 1e6 for x in xs)
         return {"p50_us": statistics.median(xs), "p99_us": xs[int(0.99 * (len(xs) - 1))]}
 
+    per_request = [sum(parts) for parts in zip(*seconds.values())]
     return {"replicas": replicas, "prompt_tokens": prompt_tokens, "decisions": decisions,
-            "prepare": pcts(prep_s), "score": pcts(score_s),
-            "total_p50_us": statistics.median(a + b for a, b in zip(prep_s, score_s)) * 1e6}
+            **{part: pcts(xs) for part, xs in seconds.items()},
+            "total_p50_us": statistics.median(per_request) * 1e6}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
@@ -85,13 +112,14 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--decisions", type=int, default=500)
     args = p.parse_args(argv)
-    print(f"{'replicas':>8} {'prompt tok':>10} {'prepare p50':>12} {'score p50':>10} {'score p99':>10} {'total p50':>10}")
+    print(f"{'replicas':>8} {'prompt tok':>10} " + " ".join(f"{part + ' p50':>12}" for part in PARTS)
+          + f" {'score p99':>10} {'request p50':>12}")
     out = []
     for n in map(int, args.replicas.split(",")):
         r = time_decisions(n, args.prompt_tokens, args.decisions)
         out.append(r)
-        print(f"{n:>8} {args.prompt_tokens:>10} {r['prepare']['p50_us']:>10.0f}us {r['score']['p50_us']:>8.0f}us "
-              f"{r['score']['p99_us']:>8.0f}us {r['total_p50_us']:>8.0f}us")
+        print(f"{n:>8} {args.prompt_tokens:>10} " + " ".join(f"{r[part]['p50_us']:>10.0f}us" for part in PARTS)
+              + f" {r['score']['p99_us']:>8.0f}us {r['total_p50_us']:>10.0f}us")
     return out
 
 

@@ -247,3 +247,21 @@ def test_a_removed_replicas_bit_goes_to_the_next_replica_without_its_blocks():
     index.insert("new", b[:2])
     assert index.matched_blocks(a + b) == {"kept": 8}  # "new" holds no prefix of it: none of "old"'s blocks
     assert index.matched_blocks(b) == {"kept": 4, "new": 2}
+
+
+def test_the_micro_benchmark_takes_each_request_its_whole_way_through_the_router():
+    """`load_tests.router_micro` times a request's parts, from the decision to its answer: each request
+    must take the whole way (confirmed where it was decided, its answer awaited no more, prompt and
+    answer cached there), or the figures time less than an ingress does."""
+    from load_tests.router_micro import ANSWER, PARTS, fake_fleet, time_requests
+    from load_tests.router_micro import make_router as micro_router
+
+    router = micro_router()
+    fleet = fake_fleet(router, 3, 400)
+    prompts = [list(range(7000, 7400)) + [d] * 40 for d in range(6)]
+    seconds = time_requests(router, fleet, prompts)
+    assert list(seconds) == list(PARTS) and all(len(xs) == len(prompts) for xs in seconds.values())
+    assert router.ledger.num_awaiting() == 0
+    for ids in prompts:
+        chain = router.prepare(request(ids + ANSWER)).hashes  # the micro's model and block size
+        assert max(router.index.matched_blocks(chain).values()) == len(chain)
