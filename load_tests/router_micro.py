@@ -6,8 +6,8 @@ and this router has requests in flight on each. Times each request's whole way t
 each part as p50/p99 over many requests: the decision (`prepare`: hashing the prompt; `score`: index
 lookups, load estimates, ranking; `claim`: its prefix claimed on its replica), Serve's confirmation
 (`confirm`: the claim becomes cached blocks) and its answer (`answer`: prompt and answer cached).
-Serve runs the decision and the confirmation on the caller's event loop: in an ingress, their sum
-is CPU every request adds there (measured in one: docs/routing_results.md).
+In an ingress every part runs on its event loop: their sum is the CPU LLMRouter adds to each request
+there (measured in one: docs/routing_results.md).
 """
 from __future__ import annotations
 
@@ -60,8 +60,6 @@ def fake_fleet(router, replicas: int, prompt_tokens: int, seed: int = 0) -> List
 
 
 PARTS = ("prepare", "score", "claim", "confirm", "answer")  # a request's way through the router, in order
-
-
 ANSWER = list(range(50_000, 50_064))  # every request's answer: 64 tokens, 8 more blocks cached
 
 
