@@ -20,6 +20,12 @@ class LLMRouterConfig(BaseModel):
         "`cost_model`; off: the preset alone.")
     max_blocks_per_replica: int = Field(
         200_000, ge=1, description="Bound of the prefix index per replica (also capped at the replica's KV blocks).")
+    index_stride_tokens: int = Field(
+        32, ge=1, description="The prefix index keeps one block of a chain for each this many tokens (in whole "
+        "blocks, at least one): a cached prefix is found to within it, for that fraction of the index's work per "
+        "request and of its memory (at 8-token blocks, 4: a quarter). A decision needs the match to within a few "
+        "dozen tokens; the engine still caches and matches every block. The routers of one deployment must agree "
+        "(they do: one config).")
     follow_evictions: bool = Field(
         True, description="Drop from the prefix index the blocks replicas report they evicted (their reports' "
         "`evicted`); off: the index forgets only by its own LRU, capped at each replica's KV blocks.")

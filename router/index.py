@@ -10,6 +10,12 @@ recent, so LRU eviction trims chains from the tail and the prefix property holds
 is the deepest of the request's blocks it holds, found for every replica at once by bisecting the
 request's chain.
 
+It keeps one block in every `stride` of a chain: blocks stride-1, 2*stride-1, ... (each still names
+its whole prefix, so the prefix property holds for them). A match is found to within `stride`
+blocks, for a stride-th of the work each request's passes over its chain cost (claim, confirm,
+insert) and of the memory: a decision needs the matched prefix to within a few dozen tokens, not
+to the block (router.config's `index_stride_tokens`).
+
 A claim (`claim`/`release`) counts a chain on a replica while its request waits for Serve's
 confirmation: the next requests of a burst follow it there, and a claim released (Serve sent the
 request elsewhere) leaves nothing behind. Claims are counted per (replica, block), so releasing one
@@ -30,10 +36,12 @@ from batcher.block_hash import BlockHash, routing_key
 
 
 class PrefixIndex:
-    def __init__(self, max_blocks_per_replica: int):
-        if max_blocks_per_replica < 1:
-            raise ValueError("max_blocks_per_replica must be >= 1")
-        self.max_blocks_per_replica = max_blocks_per_replica
+    def __init__(self, max_blocks_per_replica: int, stride: int = 1):
+        """`max_blocks_per_replica`: in the engine's blocks (the index keeps a stride-th of them)."""
+        if max_blocks_per_replica < 1 or stride < 1:
+            raise ValueError("max_blocks_per_replica and stride must be >= 1")
+        self.stride = stride
+        self.max_entries_per_replica = max(1, max_blocks_per_replica // stride)
         self._blocks: Dict[Hashable, "OrderedDict[BlockHash, None]"] = {}  # per replica, LRU order
         self._claims: Dict[Hashable, Dict[BlockHash, int]] = {}  # per replica: block -> pending claims
         self._owners: Dict[BlockHash, int] = {}  # block -> bitmask of the replicas caching or claiming it
@@ -43,7 +51,9 @@ class PrefixIndex:
 
     def set_capacity(self, replica: Hashable, kv_blocks: Optional[int]) -> None:
         """A replica cannot cache more blocks than its KV cache has: the index keeps no more either."""
-        cap = min(self.max_blocks_per_replica, kv_blocks) if kv_blocks else self.max_blocks_per_replica
+        cap = self.max_entries_per_replica
+        if kv_blocks:
+            cap = min(cap, max(1, kv_blocks // self.stride))
         if self._capacity.get(replica) != cap:
             self._capacity[replica] = cap
             self._evict(replica)
@@ -51,7 +61,7 @@ class PrefixIndex:
     def insert(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
         """Marks the chain `hashes` (root first) as cached on `replica`, most recently used."""
         blocks, bit, owners = self._blocks.setdefault(replica, OrderedDict()), self._bit_of(replica), self._owners
-        for h in map(routing_key, reversed(hashes)):  # the root ends up most recent: evicted last
+        for h in reversed(self._keys(hashes)):  # the root ends up most recent: evicted last
             if h in blocks:
                 blocks.move_to_end(h)
             else:
@@ -62,7 +72,7 @@ class PrefixIndex:
     def claim(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
         """One request's pending claim of the chain `hashes` on `replica` (undone by `release`)."""
         claims, bit, owners = self._claims.setdefault(replica, {}), self._bit_of(replica), self._owners
-        for h in map(routing_key, hashes):
+        for h in self._keys(hashes):
             n = claims.get(h, 0)
             claims[h] = n + 1
             if n == 0:
@@ -73,7 +83,7 @@ class PrefixIndex:
         `release` in one pass (the claimed blocks stay owned instead of being disowned and re-owned)."""
         blocks, bit, owners = self._blocks.setdefault(replica, OrderedDict()), self._bit_of(replica), self._owners
         claims = self._claims.get(replica, {})
-        for h in map(routing_key, reversed(hashes)):  # the root ends up most recent, as in insert
+        for h in reversed(self._keys(hashes)):  # the root ends up most recent, as in insert
             if h in blocks:
                 blocks.move_to_end(h)
             else:
@@ -94,7 +104,7 @@ class PrefixIndex:
         if claims is None:
             return
         cached = self._blocks.get(replica, {})
-        for h in map(routing_key, hashes):
+        for h in self._keys(hashes):
             n = claims.get(h, 0)
             if n > 1:
                 claims[h] = n - 1
@@ -108,8 +118,8 @@ class PrefixIndex:
     def forget(self, replica: Hashable, keys: Iterable[bytes]) -> int:
         """`replica` evicted the blocks of routing keys `keys` (its report names them so): they are no
         longer cached there. Claimed ones stay owned until their claims go (the requests claiming them
-        compute them again). Returns how many the index held. The engine evicts a chain's tail before
-        its prefix, so the prefix property holds."""
+        compute them again). Returns how many of them the index kept (one block a stride). The engine
+        evicts a chain's tail before its prefix, so the prefix property holds."""
         blocks, claims, n = self._blocks.get(replica), self._claims.get(replica, {}), 0
         if not blocks:
             return 0
@@ -126,8 +136,9 @@ class PrefixIndex:
         By the prefix property the holders of block i include those of block i+1, so the holders'
         count only grows toward the root: bisecting on it finds the deepest depth where someone new
         holds the chain, then the next one above it. Cost: about log2(len(hashes)) lookups per
-        distinct match depth, whatever the fleet size."""
+        distinct match depth, whatever the fleet size. Counts are multiples of the stride."""
         found: Dict[Hashable, int] = {}
+        stride, hashes = self.stride, hashes[self.stride - 1::self.stride]
         top, holders = len(hashes), len(self._blocks.keys() | self._claims.keys())
         while top > 0 and len(found) < holders:
             lo, hi = 0, top  # the deepest depth in [1, top] with more holders than found so far
@@ -140,7 +151,7 @@ class PrefixIndex:
             if lo == 0:
                 break
             for r in self._holders(self._owners[routing_key(hashes[lo - 1])]):
-                found.setdefault(r, lo)
+                found.setdefault(r, lo * stride)
             top = lo - 1
         return found
 
@@ -158,7 +169,7 @@ class PrefixIndex:
         return list(self._blocks.keys() | self._claims.keys())
 
     def num_blocks(self, replica: Hashable) -> int:
-        """Blocks cached on `replica` (claims not included)."""
+        """Blocks the index keeps of those cached on `replica` (one a stride; claims not included)."""
         return len(self._blocks.get(replica, ()))
 
     def num_claimed(self, replica: Hashable) -> int:
@@ -169,12 +180,16 @@ class PrefixIndex:
         blocks = self._blocks.get(replica)
         if blocks is None:
             return
-        cap = self._capacity.get(replica, self.max_blocks_per_replica)
+        cap = self._capacity.get(replica, self.max_entries_per_replica)
         claims = self._claims.get(replica, {})
         while len(blocks) > cap:
             h = blocks.popitem(last=False)[0]
             if h not in claims:  # a claimed block stays owned until its claim goes
                 self._disown(h, replica)
+
+    def _keys(self, hashes: Sequence[BlockHash]) -> List[bytes]:
+        """The routing keys of the blocks of chain `hashes` this index keeps (one a stride)."""
+        return [routing_key(h) for h in hashes[self.stride - 1::self.stride]]
 
     def _disown(self, h: BlockHash, replica: Hashable) -> None:
         owners = self._owners.get(h)

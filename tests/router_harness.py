@@ -32,8 +32,11 @@ def make_router(**kwargs):
                        handle_source=DeploymentHandleSource.UNKNOWN)
     # share_index_s 0: these routers never exchange with a cluster's, even where a test session has
     # one running (tests/test_index_exchange.py starts theirs on an in-process exchange).
+    # index_stride_tokens BS: an index of every block, so the tests count matches in blocks; the
+    # default's one block in four has tests of its own (tests/test_router_ledger.py).
     router.initialize_state(**{"model": MODEL, "block_size": BS, "max_num_batched_tokens": 2048,
-                               "max_num_seqs": 64, "cost_model": "h100-llama3-8b", "share_index_s": 0, **kwargs})
+                               "max_num_seqs": 64, "cost_model": "h100-llama3-8b", "share_index_s": 0,
+                               "index_stride_tokens": BS, **kwargs})
     return router
 
 

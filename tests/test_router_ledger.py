@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from batcher.block_hash import root_hash
+from batcher.block_hash import root_hash, routing_key
+from router.config import LLMRouterConfig
 from router.index import PrefixIndex
 from router.ledger import HashedRequest, RequestLedger
 from router.scoring import RoutingRequest
@@ -145,6 +146,30 @@ def test_a_claimed_block_stays_owned_while_the_lru_evicts_its_cached_copy():
     assert index.matched_blocks(claimed) == {}
 
 
+def test_an_index_of_one_block_in_four_matches_to_within_four_blocks():
+    """Every fourth block of a chain is kept (each names its whole prefix): matches are multiples of
+    four blocks, claims and bounds count kept blocks, and evictions of blocks it never kept change
+    nothing."""
+    index = PrefixIndex(max_blocks_per_replica=1000, stride=4)
+    chain = blocks(SYSTEM + [1] * 8)  # 51 blocks
+    index.insert("a", chain)
+    assert index.matched_blocks(chain) == {"a": 48} and index.num_blocks("a") == 12
+    assert index.matched_blocks(blocks(SYSTEM[:240] + [9] * 80)) == {"a": 28}  # shares 30 blocks
+    assert index.matched_blocks(chain[:3]) == {}  # shorter than a stride: nothing kept to match
+    other = blocks(SYSTEM[:160] + [2] * 40)  # 25 blocks, 20 shared
+    index.claim("b", other)
+    assert index.matched_blocks(other) == {"a": 20, "b": 24} and index.num_claimed("b") == 6
+    index.release("b", other)
+    assert index.matched_blocks(other) == {"a": 20} and index.num_claimed("b") == 0
+    assert index.forget("a", [routing_key(chain[45])]) == 0  # never kept: the match stays
+    assert index.forget("a", [routing_key(chain[47])]) == 1 and index.matched_blocks(chain) == {"a": 44}
+    bounded = PrefixIndex(max_blocks_per_replica=40, stride=4)  # 40 blocks: 10 kept
+    bounded.insert("a", chain)
+    assert bounded.matched_blocks(chain) == {"a": 40}
+    bounded.set_capacity("a", kv_blocks=20)
+    assert bounded.matched_blocks(chain) == {"a": 20} and bounded.num_blocks("a") == 5
+
+
 def test_index_is_bounded_and_evicts_tails_before_roots():
     index = PrefixIndex(max_blocks_per_replica=100)
     for user in range(20):
@@ -171,8 +196,11 @@ def test_requests_with_another_cache_salt_match_no_blocks():
     assert matched(None) == {"b": 50}
 
 
-def test_turn_two_follows_turn_one_including_its_answer(serving):
-    router, now = make_router(), time.time()
+@pytest.mark.parametrize("stride_tokens", [BS, LLMRouterConfig.model_fields["index_stride_tokens"].default])
+def test_turn_two_follows_turn_one_including_its_answer(serving, stride_tokens):
+    """With an index of every block, and of one block in four (the default): matched to within it."""
+    router, now = make_router(index_stride_tokens=stride_tokens), time.time()
+    stride = stride_tokens // BS
     reps = [replica(n, now) for n in "abcd"]
     serve = serving(router, reps)
     turn1 = list(range(2000, 2100))
@@ -182,13 +210,13 @@ def test_turn_two_follows_turn_one_including_its_answer(serving):
     router.record_answer("t1", turn1, answer)
     on_first = router.index.matched_blocks(blocks(turn1 + answer + [7, 8, 9]))[first]
     computed = len(turn1) + len(answer) - 1  # the answer's last token is sampled, never computed
-    assert on_first == computed // BS  # the answer's blocks count as cached
+    assert on_first == computed // BS // stride * stride  # the answer's blocks count as cached
     # Other replicas got busier meanwhile; turn 2 still goes where turn 1 was computed.
     for r in reps:
         if r.replica_id.unique_id != first:
             r.routing_stats.update(running=4, context_tokens=800)
     second = router.score(reps, router.prepare(request(turn1 + answer + [7, 8, 9], "t2")), now)[0]
-    assert second.replica == first and second.cached_tokens == computed // BS * BS
+    assert second.replica == first and second.cached_tokens == computed // BS // stride * stride * BS
 
 
 @pytest.mark.parametrize("how", ["actor died", "left the replica set"])
@@ -262,6 +290,7 @@ def test_the_micro_benchmark_takes_each_request_its_whole_way_through_the_router
     seconds = time_requests(router, fleet, prompts)
     assert list(seconds) == list(PARTS) and all(len(xs) == len(prompts) for xs in seconds.values())
     assert router.ledger.num_awaiting() == 0
+    stride = router.index.stride  # the default's: one block in four
     for ids in prompts:
         chain = router.prepare(request(ids + ANSWER)).hashes  # the micro's model and block size
-        assert max(router.index.matched_blocks(chain).values()) == len(chain)
+        assert max(router.index.matched_blocks(chain).values()) == len(chain) // stride * stride
