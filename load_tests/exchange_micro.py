@@ -5,10 +5,12 @@ routers share their sends and answers through one `ExchangeBoard` actor per clus
 every other router's long poll, so the board's calls grow with the square of the routers. This
 drives N real `IndexSync`s (each router's side of the exchange; spread over a few Ray actors that
 stand in for ingress processes) against the real board actor, each sending R requests a second
-(Poisson) and pushing each one's answer a while later, and measures the board's CPU and calls, how
-long a send takes to reach the other routers (the figure that matters: a router must know the others'
-sends within ~10 ms, docs/routing.md), and that every send reached every other router. No Serve, no
-replicas, no decisions: the exchange alone. Starts a local Ray and stops it.
+(Poisson) and pushing each one's answer a while later, each router putting what it takes in into a
+prefix index of its own (`--stride`: one block in four by default, as LLMRouter's). It measures the
+board's CPU and calls, the routers' CPU, how long a send takes to reach the other routers (the
+figure that matters: a router must know the others' sends within ~10 ms, docs/routing.md), and that
+every send reached every other router. No Serve, no replicas, no decisions: the exchange alone.
+Starts a local Ray and stops it.
 """
 from __future__ import annotations
 
@@ -30,17 +32,23 @@ DRAIN_S = 1.0  # after the last send: time for every entry to reach every router
 class RouterHost:
     """One process's routers (an ingress replica has one; a few here, to spare the cores)."""
 
-    def __init__(self, routers: int, deployment: str, share_index_s: float):
-        self.deployment, self.share_index_s, self.count = deployment, share_index_s, routers
+    def __init__(self, routers: int, deployment: str, share_index_s: float, stride: int):
+        self.deployment, self.share_index_s, self.count, self.stride = deployment, share_index_s, routers, stride
         self.syncs, self.received = [], []
 
     async def start(self) -> None:
+        from router.index import PrefixIndex
         from router.index_sync import IndexSync
 
         for _ in range(self.count):
-            sync, got = IndexSync(self.share_index_s, self.deployment), {"sends": 0, "answers": 0, "lag_s": []}
+            # Each router's index takes in the others' chains, as LLMRouter's does (its CPU is counted).
+            index = PrefixIndex(240_000, self.stride)
+            sync = IndexSync(self.share_index_s, self.deployment, index.kept_keys)
+            got = {"sends": 0, "answers": 0, "lag_s": []}
 
-            def apply(replica, chain, sent, extends, got=got):
+            def apply(replica, chain, sent, extends, got=got, index=index):
+                if chain:
+                    index.insert_keys(replica, chain)
                 if sent is not None:
                     got["sends"] += 1
                     got["lag_s"].append(time.time() - sent.routed_at)
@@ -84,12 +92,12 @@ class RouterHost:
 
 
 def measure(routers: int, processes: int, requests_per_s: float, prompt_blocks: int, answer_blocks: int,
-            answer_after_s: float, seconds: float, share_index_s: float, seed: int) -> dict:
+            answer_after_s: float, seconds: float, share_index_s: float, seed: int, stride: int = 4) -> dict:
     from router.index_exchange import board_stats
 
-    deployment = f"exchange-micro/{routers}-routers"
+    deployment = f"exchange-micro/{routers}-routers-stride{stride}"
     counts = [routers // processes + (i < routers % processes) for i in range(min(processes, routers))]
-    hosts = [RouterHost.remote(n, deployment, share_index_s) for n in counts]
+    hosts = [RouterHost.remote(n, deployment, share_index_s, stride) for n in counts]
     try:
         ray.get([h.start.remote() for h in hosts])
         deadline = time.monotonic() + 30
@@ -111,7 +119,7 @@ def measure(routers: int, processes: int, requests_per_s: float, prompt_blocks: 
     sends = sum(r["sends"] for r in runs)
     lags = sorted(lag for r in runs for lag in r["lag_s"])
     q = statistics.quantiles(lags, n=100) if len(lags) > 1 else [float("nan")] * 99
-    return {"routers": routers, "processes": len(hosts), "requests_per_s_each": requests_per_s,
+    return {"routers": routers, "processes": len(hosts), "stride": stride, "requests_per_s_each": requests_per_s,
             "prompt_blocks": prompt_blocks, "answer_blocks": answer_blocks, "seconds": seconds, "wall_s": wall,
             "sends": sends, "expected_deliveries": sends * (routers - 1),
             "delivered": sum(r["received_sends"] for r in runs),
@@ -135,10 +143,13 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     p.add_argument("--answer-after-s", type=float, default=1.0, help="mean time from a send to its answer")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--share-index-s", type=float, default=0.25, help="LLMRouterConfig.share_index_s")
+    p.add_argument("--stride", type=int, default=4, help="the routers' indexes keep one block in this many, and "
+                   "entries carry those (LLMRouter's default: 32 tokens of 8-token blocks); 1: every block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the rows here too")
     args = p.parse_args(argv)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    print(f"index of one block in {args.stride}")
     print(f"{'routers':>7} {'req/s':>6} {'sends':>6} {'delivered':>10} {'lag p50':>8} {'p90':>7} {'p99':>8} "
           f"{'board CPU':>9} {'pushes/s':>8} {'batches/s':>9} {'entries out/s':>13} {'routers CPU':>11}")
     rows = []
@@ -146,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
         for n in map(int, args.routers.split(",")):
             rate = args.total_requests_per_s / n if args.total_requests_per_s else args.requests_per_s
             r = measure(n, args.processes, rate, args.prompt_blocks, args.answer_blocks,
-                        args.answer_after_s, args.seconds, args.share_index_s, args.seed)
+                        args.answer_after_s, args.seconds, args.share_index_s, args.seed, args.stride)
             rows.append(r)
             print(f"{n:>7} {n * rate:>6.0f} {r['sends']:>6} "
                   f"{r['delivered'] / max(1, r['expected_deliveries']):>9.1%} {r['lag_ms_p50']:>6.1f}ms "

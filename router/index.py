@@ -60,8 +60,13 @@ class PrefixIndex:
 
     def insert(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
         """Marks the chain `hashes` (root first) as cached on `replica`, most recently used."""
+        self.insert_keys(replica, self.kept_keys(hashes))
+
+    def insert_keys(self, replica: Hashable, keys: Sequence[bytes]) -> None:
+        """`insert` of a chain given as the routing keys of the blocks this index keeps of it, root
+        first (`kept_keys`: what the routers' exchange carries)."""
         blocks, bit, owners = self._blocks.setdefault(replica, OrderedDict()), self._bit_of(replica), self._owners
-        for h in reversed(self._keys(hashes)):  # the root ends up most recent: evicted last
+        for h in reversed(keys):  # the root ends up most recent: evicted last
             if h in blocks:
                 blocks.move_to_end(h)
             else:
@@ -72,7 +77,7 @@ class PrefixIndex:
     def claim(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
         """One request's pending claim of the chain `hashes` on `replica` (undone by `release`)."""
         claims, bit, owners = self._claims.setdefault(replica, {}), self._bit_of(replica), self._owners
-        for h in self._keys(hashes):
+        for h in self.kept_keys(hashes):
             n = claims.get(h, 0)
             claims[h] = n + 1
             if n == 0:
@@ -83,7 +88,7 @@ class PrefixIndex:
         `release` in one pass (the claimed blocks stay owned instead of being disowned and re-owned)."""
         blocks, bit, owners = self._blocks.setdefault(replica, OrderedDict()), self._bit_of(replica), self._owners
         claims = self._claims.get(replica, {})
-        for h in reversed(self._keys(hashes)):  # the root ends up most recent, as in insert
+        for h in reversed(self.kept_keys(hashes)):  # the root ends up most recent, as in insert
             if h in blocks:
                 blocks.move_to_end(h)
             else:
@@ -104,7 +109,7 @@ class PrefixIndex:
         if claims is None:
             return
         cached = self._blocks.get(replica, {})
-        for h in self._keys(hashes):
+        for h in self.kept_keys(hashes):
             n = claims.get(h, 0)
             if n > 1:
                 claims[h] = n - 1
@@ -187,9 +192,11 @@ class PrefixIndex:
             if h not in claims:  # a claimed block stays owned until its claim goes
                 self._disown(h, replica)
 
-    def _keys(self, hashes: Sequence[BlockHash]) -> List[bytes]:
-        """The routing keys of the blocks of chain `hashes` this index keeps (one a stride)."""
-        return [routing_key(h) for h in hashes[self.stride - 1::self.stride]]
+    def kept_keys(self, hashes: Sequence[BlockHash], start: int = 0) -> List[bytes]:
+        """The routing keys of the blocks of chain `hashes` (root first) this index keeps (one a
+        stride, counted from the root), from block `start` on."""
+        first = start + (self.stride - 1 - start) % self.stride
+        return [routing_key(h) for h in hashes[first::self.stride]]
 
     def _disown(self, h: BlockHash, replica: Hashable) -> None:
         owners = self._owners.get(h)

@@ -33,14 +33,15 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
-from batcher.block_hash import ROUTING_KEY_BYTES, BlockHash, routing_key
+from batcher.block_hash import ROUTING_KEY_BYTES
 from router.scoring import Routed
 
 # (replica id, a chain of blocks cached there (root first) joined into one bytes, the request sent
 # there as (routed_at, prompt_tokens, uncached_tokens, request_id) or None, the id of a request sent
 # there whose prompt's chain these blocks continue (its answer: the request ended) or None).
 # A block crosses as its routing key (block_hash.routing_key: all the index keeps of a hash), a
-# quarter of its 32 bytes, which every other router pulls (load_tests.exchange_micro).
+# quarter of its 32 bytes, which every other router pulls (load_tests.exchange_micro); and only the
+# blocks the routers' indexes keep (router.index_sync), one in four by default.
 # Builtins only: Serve pickles the router's package by value (it registers the request router's
 # module with cloudpickle), so a Routed, or any class of router/, crossed with its whole class
 # definition in every push and pull (5.7 KB for a four-hash entry; the board 9% of a core at 10
@@ -51,10 +52,11 @@ Entry = Tuple[str, bytes, Optional[tuple], Optional[str]]
 SUBSCRIPTION_S = 10.0
 
 
-def pack(replica: str, hashes: Sequence[BlockHash], sent: Optional[Routed] = None,
+def pack(replica: str, keys: Sequence[bytes], sent: Optional[Routed] = None,
          extends: Optional[str] = None) -> Entry:
+    """An entry of the routing keys `keys` (block_hash.routing_key) of blocks cached on `replica`."""
     send = None if sent is None else (sent.routed_at, sent.prompt_tokens, sent.uncached_tokens, sent.request_id)
-    return replica, b"".join(map(routing_key, hashes)), send, extends
+    return replica, b"".join(keys), send, extends
 
 
 def unpack(entry: Entry) -> Tuple[str, List[bytes], Optional[Routed], Optional[str]]:

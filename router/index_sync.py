@@ -12,25 +12,33 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import ray
 
-from batcher.block_hash import BlockHash
+from batcher.block_hash import BlockHash, routing_key
 from router.index_exchange import Entry, find_or_make_board, pack, unpack
 from router.scoring import Routed
 
 log = logging.getLogger(__name__)
 
-# What a router does with each entry another router pushed: (replica, its chain as routing keys, the
-# request sent there or None, the id of a request that ended there or None).
+# What a router does with each entry another router pushed: (replica, its chain as the routing keys of
+# the blocks an index keeps (PrefixIndex.insert_keys), the request sent there or None, the id of a
+# request that ended there or None).
 Apply = Callable[[str, List[bytes], Optional[Routed], Optional[str]], None]
+# The routing keys of the kept blocks of a chain, from a block on (PrefixIndex.kept_keys).
+KeptKeys = Callable[[Sequence[BlockHash], int], List[bytes]]
 MAX_KEPT_HASHES = 500_000  # per router: the prompts' chains kept until their answers continue them
 ANSWER_DELAY_S = 0.2  # an entry without a send waits this long at most for a send's push
 
 
 class IndexSync:
     """One router's side: an outbox pushed as soon as the loop is free, and a subscription to the
-    others' entries. `board`: what has ExchangeBoard's push and subscribe (default: the cluster's actor)."""
+    others' entries. `board`: what has ExchangeBoard's push and subscribe (default: the cluster's actor).
+    An entry carries the routing keys of the blocks the routers' indexes keep of its chain (`kept`:
+    PrefixIndex.kept_keys, one block in four by default; every block's if None): a quarter of every
+    block's, so the board's log, each router's kept prompts and the bytes each router takes in cover
+    four times the requests."""
 
-    def __init__(self, period_s: float, deployment: str):
+    def __init__(self, period_s: float, deployment: str, kept: Optional[KeptKeys] = None):
         self.period_s, self.deployment = period_s, deployment
+        self._kept = kept or _every_block
         self.router_id = uuid.uuid4().hex
         self._outbox: List[Entry] = []
         self._cursor: Optional[int] = None
@@ -56,7 +64,7 @@ class IndexSync:
         past = extends[1] if extends is not None else 0  # the others have the prompt's blocks from its send
         if self._task is None or not self._others or not (len(hashes) > past or sent or extends):
             return
-        self._outbox.append(pack(replica, hashes[past:], sent, extends and extends[0]))
+        self._outbox.append(pack(replica, self._kept(hashes, past), sent, extends and extends[0]))
         if self._flushing:
             return
         if sent is not None:
@@ -133,6 +141,10 @@ class IndexSync:
         self._prompt_hashes += len(hashes)
         while self._prompt_hashes > MAX_KEPT_HASHES and self._prompts:
             self._prompt_hashes -= len(self._prompts.popitem(last=False)[1])
+
+
+def _every_block(hashes: Sequence[BlockHash], start: int = 0) -> List[bytes]:
+    return [routing_key(h) for h in hashes[start:]]
 
 
 class _ActorBoard:

@@ -63,8 +63,10 @@ class LLMRouter(RequestRouter):
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         # What this router learns of the caches, shared with the deployment's other routers (ingress
         # replicas, handle callers: each routes with its own) and theirs taken (router.index_exchange).
+        # Entries carry the blocks the index keeps, so only routers keeping the same ones share.
         deployment = getattr(self, "_deployment_id", None)
-        self.sync = IndexSync(cfg.share_index_s, f"{getattr(deployment, 'app_name', '')}/{getattr(deployment, 'name', '')}")
+        self.sync = IndexSync(cfg.share_index_s, f"{getattr(deployment, 'app_name', '')}/"
+                              f"{getattr(deployment, 'name', '')}/stride{self.index.stride}", self.index.kept_keys)
 
     # ---- the decision ------------------------------------------------------------------------------
 
@@ -262,15 +264,15 @@ class LLMRouter(RequestRouter):
         extends = (request.request_id, len(request.hashes)) if request.request_id else None
         self.sync.learned(rid, hashes, extends=extends)
 
-    def _learned_elsewhere(self, rid: str, hashes: List[bytes], sent: Optional[Routed] = None,
+    def _learned_elsewhere(self, rid: str, keys: List[bytes], sent: Optional[Routed] = None,
                            ended: Optional[str] = None) -> None:
-        """Another router of this deployment learned that `rid` caches the chain `hashes`, and (`sent`)
-        has just sent it that request: it counts there until `rid`'s reports do, or until that router
-        hears its answer (`ended`: its request id)."""
+        """Another router of this deployment learned that `rid` caches a chain (`keys`: the routing keys
+        of the blocks the index keeps of it), and (`sent`) has just sent it that request: it counts
+        there until `rid`'s reports do, or until that router hears its answer (`ended`: its request id)."""
         if rid not in self._alive:
             return
-        if hashes:
-            self.index.insert(rid, hashes)
+        if keys:
+            self.index.insert_keys(rid, keys)
         if sent is not None:
             self.ledger.sent_elsewhere(rid, sent, (self._reports.get(rid) or (None, None))[1], time.time())
         if ended is not None:

@@ -21,13 +21,13 @@ K = [routing_key(h) for h in H]  # what crosses the exchange of each
 
 def test_each_router_gets_the_others_entries_not_its_own_and_a_new_one_gets_the_log():
     ex = IndexExchange()
-    assert ex.push("a", [pack("r1", H[:2])]) is False  # alone so far
+    assert ex.push("a", [pack("r1", K[:2])]) is False  # alone so far
     cursor_b, news, others = ex.pull("b", None)  # new: all the log holds
-    assert news == [pack("r1", H[:2])] and others is True
+    assert news == [pack("r1", K[:2])] and others is True
     cursor_a, news, _ = ex.pull("a", None)
     assert news == []  # a's own entries never come back
     sent = Routed(1.0, 400, 400, "q1")
-    assert ex.push("a", [pack("r2", H[2:3], sent)]) is True  # b was heard from
+    assert ex.push("a", [pack("r2", K[2:3], sent)]) is True  # b was heard from
     cursor_b, news, _ = ex.pull("b", cursor_b)
     assert [unpack(e) for e in news] == [("r2", K[2:3], sent, None)]
     assert ex.pull("b", cursor_b)[1] == []  # nothing new since b's cursor
@@ -41,7 +41,7 @@ def test_entries_cross_as_builtins_with_the_routers_package_pickled_by_value():
     from ray import cloudpickle
 
     import router
-    entries = [pack("r1", H[:4], Routed(1.0, 400, 300, "q1")), pack("r2", H[4:6], None, "q1")]
+    entries = [pack("r1", K[:4], Routed(1.0, 400, 300, "q1")), pack("r2", K[4:6], None, "q1")]
     cloudpickle.register_pickle_by_value(router)
     try:
         size = len(cloudpickle.dumps(entries))
@@ -54,8 +54,8 @@ def test_entries_cross_as_builtins_with_the_routers_package_pickled_by_value():
 
 def test_the_log_is_bounded_and_a_router_alone_is_told_so():
     ex = IndexExchange(max_hashes=4, max_entries=10, alone_after_s=0.05)
-    ex.push("a", [pack("r1", H[0:2]), pack("r1", H[2:4]), pack("r2", H[4:6])])
-    assert ex.pull("b", None)[1] == [pack("r1", H[2:4]), pack("r2", H[4:6])]  # the oldest chain went
+    ex.push("a", [pack("r1", K[0:2]), pack("r1", K[2:4]), pack("r2", K[4:6])])
+    assert ex.pull("b", None)[1] == [pack("r1", K[2:4]), pack("r2", K[4:6])]  # the oldest chain went
     ex = IndexExchange(max_entries=2)
     ex.push("a", [pack("r1", [], Routed(t, 10, 10, str(t))) for t in range(3)])
     assert [unpack(e)[2].request_id for e in ex.pull("b", None)[1]] == ["1", "2"]  # sends count against the bound too
@@ -73,13 +73,13 @@ def test_the_boards_long_poll_returns_when_another_router_pushes_and_keeps_deplo
         waiting = asyncio.create_task(board.pull("app/LLMServer", "b", 0, 5.0))
         other = asyncio.create_task(board.pull("other/LLMServer", "c", 0, 0.3))
         await asyncio.sleep(0.05)
-        await board.push("app/LLMServer", "b", [pack("r9", H[:1])])  # b's own push: b keeps waiting
+        await board.push("app/LLMServer", "b", [pack("r9", K[:1])])  # b's own push: b keeps waiting
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        await board.push("app/LLMServer", "a", [pack("r1", H[:2])])
+        await board.push("app/LLMServer", "a", [pack("r1", K[:2])])
         _, news, others = await asyncio.wait_for(waiting, 1.0)
         woke = time.monotonic() - t0
-        assert news == [pack("r1", H[:2])] and others is True and woke < 1.0
+        assert news == [pack("r1", K[:2])] and others is True and woke < 1.0
         assert (await other)[1] == []  # another deployment's push is not its news: empty after its wait
         stats = (await board.stats())["deployments"]["app/LLMServer"]
         assert stats["entries_in"] == 2 and stats["hashes_out"] == 2 and stats["pulls"] == 2  # b's two calls
@@ -100,15 +100,15 @@ def test_a_subscription_sends_each_push_as_it_comes_nothing_after_its_wait_and_e
                 batches.append((time.monotonic() - t0, news))
         listening = asyncio.create_task(listen())
         await asyncio.sleep(0.05)
-        await board.push("app/LLMServer", "b", [pack("r9", H[:1])])  # b's own: nothing to send it
-        await board.push("app/LLMServer", "a", [pack("r1", H[:2])])
+        await board.push("app/LLMServer", "b", [pack("r9", K[:1])])  # b's own: nothing to send it
+        await board.push("app/LLMServer", "a", [pack("r1", K[:2])])
         await asyncio.sleep(0.1)
-        await board.push("app/LLMServer", "a", [pack("r2", H[2:3]), pack("r3", H[3:4])])
+        await board.push("app/LLMServer", "a", [pack("r2", K[2:3]), pack("r3", K[3:4])])
         await asyncio.wait_for(listening, 2.0)
         return batches
     batches = asyncio.run(main())
     # Pushed at 0.05 s and 0.15 s: each sent at once, not after the 0.5 s wait.
-    assert [news for _, news in batches[:2]] == [[pack("r1", H[:2])], [pack("r2", H[2:3]), pack("r3", H[3:4])]]
+    assert [news for _, news in batches[:2]] == [[pack("r1", K[:2])], [pack("r2", K[2:3]), pack("r3", K[3:4])]]
     assert batches[0][0] < 0.4 and batches[1][0] < 0.45, batches
     assert all(news == [] for _, news in batches[2:]) and 1 <= len(batches) - 2 <= 3  # one a wait, then ended
 
@@ -133,12 +133,12 @@ class LoopBoard:
                 await asyncio.sleep(min(wait_s, 0.005))
 
 
-def sharing_pair(serving, now: float, names: str = "wxyz", **stats):
+def sharing_pair(serving, now: float, names: str = "wxyz", router_kwargs=None, **stats):
     """Two routers of one deployment sharing through a LoopBoard, each driven as Serve drives it. Each
     polls once before the other pushes (b first, then a, which hears of b: a pushes from then on)."""
     board, pairs = LoopBoard(), []
     for _ in range(2):
-        router = make_router()  # sharing off: serving() starts no exchange with a cluster
+        router = make_router(**(router_kwargs or {}))  # sharing off: serving() starts no exchange with a cluster
         pairs.append((router, serving(router, [replica(n, now, **stats) for n in names])))
     (a, serve_a), (b, serve_b) = pairs
     for router, serve in ((b, serve_b), (a, serve_a)):
@@ -171,6 +171,28 @@ def test_two_routers_sharing_route_a_turn_where_the_other_sent_the_last_one(serv
     answer_entry = next(e for _, _, e in a.sync._board.exchange._log if e[3] == "t1")
     sent_keys = [routing_key(h) for h in blocks(turn1 + answer)[prompt_blocks:answered]]
     assert unpack(answer_entry)[1] == sent_keys and answer_entry[2] is None
+
+
+def test_routers_keeping_one_block_in_four_exchange_only_those(serving):
+    """The default index keeps one block in four (router.index), and the entries carry only those: a
+    quarter of the keys. An answer's entry starts past its prompt's 62 blocks, where a chain's kept
+    blocks are 63, 67, ...: b must keep exactly the blocks a keeps, or its matches are wrong."""
+    a, serve_a, b, serve_b = sharing_pair(serving, time.time(), router_kwargs={"index_stride_tokens": 32})
+    turn1, answer = SYSTEM + list(range(2000, 2100)), list(range(5000, 5120))
+    prompt_blocks, chain = (len(turn1) - 1) // 8, blocks(turn1 + answer)
+    assert a.index.stride == 4 and prompt_blocks == 62
+    where = serve_a.route(request(turn1, "t1"), "k1")
+    serve_a.complete("k1", where)
+    a.record_answer("t1", turn1, answer)
+    serve_a.run(asyncio.sleep(ANSWER_DELAY_S + 0.05))
+    serve_b.run(asyncio.sleep(0.02))
+    send, reply = (e for _, _, e in a.sync._board.exchange._log)
+    assert unpack(send)[1] == [routing_key(h) for h in chain[3:prompt_blocks:4]]  # blocks 3, 7, ..., 59
+    assert unpack(reply)[1] == [routing_key(h) for h in chain[63::4]] and reply[3] == "t1"
+    assert set(b.index._blocks[where]) == set(a.index._blocks[where])
+    turn2 = turn1 + answer + [7, 8, 9]
+    answered = (len(turn1) + len(answer) - 1) // 8
+    assert b.index.matched_blocks(blocks(turn2)) == {where: answered // 4 * 4}
 
 
 def test_a_router_counts_the_requests_another_just_sent_and_sends_its_own_elsewhere(serving):
