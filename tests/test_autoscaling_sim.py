@@ -12,7 +12,7 @@ import pytest
 from cluster import simulate
 from cluster.fleet_sim_parts import SimWorkload
 from cluster.traces import Trace, day_trace, load_csv, write_csv
-from deployments.autoscaling import DOWN_HEADROOM, YOUNG_HOLD
+from deployments.autoscaling import DOWN_HEADROOM
 
 STARTUP_S = 60.0
 
@@ -174,3 +174,26 @@ def test_reactive_bound_buys_slo_with_headroom(trace):
     work = SimWorkload()
     lean, wide = (reactive_bound(trace, work, STARTUP_S, h, slo_s=1.0, dt_s=0.5, seed=1) for h in (1.0, 2.0))
     assert wide.within_slo > lean.within_slo and wide.replica_seconds > 1.5 * lean.replica_seconds
+
+
+def test_the_learned_bound_follows_the_policy_then_holds_a_constant_fleet(runs, trace):
+    """cluster.breakdown's learned bound: queue_depth's fleet until `after`, then a constant count;
+    the fewest such replicas reaching queue_depth's SLO share, and the share at Serve default's budget."""
+    from cluster.breakdown import learned_bound, learned_summary
+
+    work, after = SimWorkload(), 900.0
+    q, d = runs["queue_depth"][0], runs["serve_default"][0]
+    held = learned_bound(trace, work, STARTUP_S, 1.0, 0.5, 1, q, after, 3)
+    n = min(len(held.t), len(q.t))
+    t, target = np.array(held.t[:n]), np.array(held.target[:n])
+    assert np.array_equal(target[t < after], np.array(q.target[:n])[t < after])
+    assert set(target[t >= after]) == {3}
+    s = learned_summary(trace, work, STARTUP_S, 1.0, 0.5, 1, q, d, after)
+    by_count = s["by_count"]
+    shares = [by_count[c]["slo_share"] for c in sorted(by_count)]
+    assert shares == sorted(shares)  # more replicas after `after`: no fewer requests within the SLO
+    q_share, match = q.within_slo / q.requests, s["replicas_to_match_share"]
+    assert match > 1 and by_count[match]["slo_share"] >= q_share - 1e-9 and by_count[match - 1]["slo_share"] < q_share
+    costs = [by_count[c]["replica_seconds"] for c in sorted(by_count)]
+    assert costs == sorted(costs) and costs[-1] > d.replica_seconds  # the search went past the budget
+    assert s["slo_share_at_budget"] is not None
