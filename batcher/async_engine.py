@@ -255,6 +255,11 @@ class AsyncLLMEngine:
         read it (the engine's own queues are the loop's alone)."""
         return self._snapshot
 
+    def report_evictions_every(self, blocks: int) -> None:
+        """Log only every `blocks`-th block of a chain, from the root (the ones the request routers'
+        prefix indexes keep). Before the first request: what was logged before stays as it was."""
+        self.engine.block_manager.evictions.stride = blocks
+
     def cut_evictions(self) -> List[EvictedSegment]:
         """The prefix-cache blocks evicted lately, in numbered segments, a new one closed by this call
         (batcher.eviction_log; its own lock makes it safe from any thread): for the routing report."""

@@ -28,6 +28,13 @@ def routing_key(h: BlockHash) -> bytes:
     return h[:ROUTING_KEY_BYTES]
 
 
+def first_routed_block(start: int, stride: int) -> int:
+    """The first block at or after block `start` of a chain (0: the root's child) that request routers
+    key at `stride`: blocks stride-1, 2*stride-1, ..., each naming its whole prefix (router.index keeps
+    them; the eviction log reports only them)."""
+    return start + (stride - 1 - start) % stride
+
+
 def root_hash(model: str, cache_salt: Optional[str] = None, adapter: Optional[str] = None) -> BlockHash:
     """The parent of a sequence's first block. `adapter`: the LoRA adapter's cache id
     (adapter_cache_id), None for the base model: an adapter changes every layer's K/V."""

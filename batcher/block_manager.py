@@ -24,6 +24,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: BlockHash = _NO_HASH  # SHA-256 of the whole prefix up to this block (batcher.block_hash)
+    position: int = 0  # with a hash: the block's place in its chain (a hash fixes it), for the eviction log
 
 
 class BlockManager:
@@ -81,7 +82,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash != _NO_HASH:
                 continue
-            block.hash = h
+            block.hash, block.position = h, i
             if h not in self.hash_to_block:
                 self.hash_to_block[h] = block.block_id
                 self.evictions.cached(h)
@@ -171,7 +172,7 @@ class BlockManager:
         block.hash = _NO_HASH
         if not copies:
             del self.hash_to_block[h]
-            self.evictions.evicted(h)
+            self.evictions.evicted(h, block.position)
             return
         self.hash_to_block[h] = copies.pop()
         if not copies:

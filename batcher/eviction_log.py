@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Deque, Dict, List, Tuple
+from typing import Deque, List, Tuple
 
-from batcher.block_hash import BlockHash, routing_key
+from batcher.block_hash import BlockHash, first_routed_block, routing_key
 
 # (segment number, the routing keys of the segment's evicted hashes joined (block_hash.routing_key,
 # 8 bytes each: a quarter of the hashes' bytes in every report), hashes left out of it)
@@ -28,15 +28,22 @@ EvictedSegment = Tuple[int, bytes, int]
 
 
 class EvictionLog:
-    def __init__(self, keep_segments: int = 2, max_hashes: int = 16384):
+    def __init__(self, keep_segments: int = 2, max_hashes: int = 16384, stride: int = 1):
+        """`stride`: only the blocks of a chain routers key at that stride are logged
+        (block_hash.first_routed_block: the ones their prefix indexes keep; the app sets it from the
+        router's config): a stride-th of the report's keys and of the work."""
         self.keep_segments = keep_segments
         self.max_hashes = max_hashes
+        self.stride = stride
         self._lock = threading.Lock()
         # Oldest first; the last is open. [number, hashes in eviction order, lost]
         self._segments: Deque[list] = deque([[1, {}, 0]])
         self._size = 0
 
-    def evicted(self, h: BlockHash) -> None:
+    def evicted(self, h: BlockHash, position: int) -> None:
+        """Block `h`, block `position` of its chain (0: the root's child), was evicted."""
+        if first_routed_block(position, self.stride) != position:
+            return
         with self._lock:
             segment = self._segments[-1]
             if h not in segment[1]:

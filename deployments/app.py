@@ -95,6 +95,14 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
     return router
 
 
+def eviction_stride(router: RequestRouterConfig) -> int:
+    """LLMRouter's index keeps one block of a chain in `index_stride_blocks`: the replicas report only
+    those evicted (it would skip the others). Other routers read no evictions: every block, as logged."""
+    if not issubclass(router.get_request_router_class(), LLMRouter):
+        return 1
+    return LLMRouterConfig.model_validate(router.request_router_kwargs).index_stride_blocks
+
+
 def default_cost_model(cfg: AppConfig) -> str:
     """A simulated replica's own step times; else an H100's where replicas run on a GPU (device cuda,
     or auto with a GPU reserved: the deploying node may have none), this machine's CPU figures otherwise."""
@@ -132,9 +140,10 @@ def build_app(args: dict) -> Application:
     cfg = load_config(args)
     llm_options = llm_deployment_options(cfg)
     # The replicas' step-time prior is LLMRouter's (validated above), so both read measurements alike.
-    cost_model = llm_options["request_router_config"].request_router_kwargs.get("cost_model") or default_cost_model(cfg)
+    router = llm_options["request_router_config"]
+    cost_model = router.request_router_kwargs.get("cost_model") or default_cost_model(cfg)
     llm = LLMServer.options(**llm_options).bind(cfg.engine.model_dump(), cfg.model_name, cfg.stream.model_dump(),
-                                                cost_model)
+                                                cost_model, eviction_stride(router))
     # The ingress relays every stream, so a leaving ingress replica (a redeploy replaces it too) waits
     # as long as the LLM replicas do: Serve's 20 s default would cut longer streams.
     shutdown = {k: llm_options[k] for k in ("graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s")}

@@ -31,15 +31,17 @@ TEST_HOOKS_ENV = "ITERSERVE_ENABLE_TEST_HOOKS"
 @serve.deployment(name="LLMServer")
 class LLMServer:
     def __init__(self, engine_config: dict, served_model_name: str, stream_config: Optional[dict] = None,
-                 cost_model: Optional[str] = None):
+                 cost_model: Optional[str] = None, eviction_stride: int = 1):
         """`cost_model`: the step-time preset its measured step times are shrunk toward (the request
         router's prior, deployments.app.default_cost_model); default: a simulated replica's own, else
-        the CPU's."""
+        the CPU's. `eviction_stride`: its reports name one evicted block of a chain in this many, the
+        ones the request router's index keeps (deployments.app.eviction_stride)."""
         from batcher import AsyncLLMEngine, EngineConfig  # torch loads here, not in the ingress
 
         # The engine sets torch's thread count from the config (Ray gives 0-CPU actors 1 thread).
         config = EngineConfig.model_validate(engine_config)
         self.engine = AsyncLLMEngine(config)
+        self.engine.report_evictions_every(eviction_stride)
         self.lora_config = config.lora.model_dump() if config.lora is not None else None
         # Serve's multiplexing: the adapters this replica served lately, reported to the controller so
         # every router (Serve's own too) prefers this replica for them. Bookkeeping only, as long as

@@ -4,7 +4,8 @@ No Serve, no GPU: the real parts the reports go through, driven at a fleet's chu
 replicas evicts E blocks a second through its own `EvictionLog` (the engine's side) and cuts a
 report every period; like Serve's controller, every tick (0.1 s: its control loop) with a new report
 broadcasts every replica's latest report, pickled; the router unpickles each broadcast and its
-`EvictionFeed` applies what is new to a `PrefixIndex` that holds each replica's KV blocks. Times each
+`EvictionFeed` applies what is new to a `PrefixIndex` that holds each replica's KV blocks (one in
+`--stride` of them, and the replicas log only those evicted, as a deployment does). Times each
 side per second of fleet time, and the bytes each router receives. The churn is a parameter: an 8B
 replica on an H100 prefilling ~20,000 uncached tokens a second into a full cache of 16-token blocks
 evicts ~1,250 blocks a second (arithmetic from the preset, not a measured GPU). `--ray` also times a
@@ -33,18 +34,20 @@ def _hashes(n: int) -> List[bytes]:
     return [os.urandom(32) for _ in range(n)]
 
 
-def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, seconds: int) -> Tuple[dict, list]:
-    """One fleet's run: its figures, and the last broadcast (for `ray_call_ms`)."""
+def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, seconds: int,
+            stride: int = 4) -> Tuple[dict, list]:
+    """One fleet's run: its figures, and the last broadcast (for `ray_call_ms`). `stride`: the index
+    keeps one block of a chain in this many, and the replicas log only those (deployments.app)."""
     # Room for the blocks evicted since the last report read: the feed, not the index's own LRU, drops
     # them (the worst case for the feed: every key it is sent is found and removed).
-    index = PrefixIndex(max_blocks_per_replica=kv_blocks + 3 * round(evicted_per_s * period_s))
+    index = PrefixIndex(kv_blocks + 3 * round(evicted_per_s * period_s), stride)
     feed = EvictionFeed(index)
-    logs = {f"r{i}": EvictionLog() for i in range(replicas)}
-    cached = {rid: deque() for rid in logs}  # each replica's blocks, oldest first
+    logs = {f"r{i}": EvictionLog(stride=stride) for i in range(replicas)}
+    cached = {rid: deque() for rid in logs}  # each replica's blocks (hash, place in its chain), oldest first
     for rid in logs:  # full caches: every replica holds kv_blocks blocks, in chains
         for chain in (_hashes(CHAIN) for _ in range(kv_blocks // CHAIN)):
             index.insert(rid, chain)
-            cached[rid].extend(reversed(chain))  # the engine frees a chain's tail first
+            cached[rid].extend(reversed(list(enumerate(chain))))  # the engine frees a chain's tail first
     reports = {rid: {"evicted": []} for rid in logs}
     # Replica i reports at i/replicas of the period (Serve randomizes each one's period by 10%).
     due = {rid: period_s * i / replicas for i, rid in enumerate(logs)}
@@ -57,11 +60,11 @@ def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, 
         for rid, log in logs.items():
             fresh = _hashes(per_tick)  # the engine caches new blocks and evicts as many of its oldest
             index.insert(rid, fresh)  # what the router learns of them (not the feed's cost: untimed)
-            cached[rid].extend(reversed(fresh))
+            cached[rid].extend(reversed(list(enumerate(fresh))))
             gone = [cached[rid].popleft() for _ in range(per_tick)]
             t0 = time.perf_counter()
-            for h in gone:
-                log.evicted(h)
+            for i, h in gone:
+                log.evicted(h, i)
             engine_s += time.perf_counter() - t0
             if now >= due[rid]:
                 t0 = time.perf_counter()
@@ -84,7 +87,7 @@ def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, 
             feed.read(rid, stats)
         loads_s, router_s = loads_s + t1 - t0, router_s + time.perf_counter() - t1
     per_s = 1e3 / seconds
-    return {"replicas": replicas, "evicted_per_s": evicted_per_s, "kv_blocks": kv_blocks, "period_s": period_s,
+    return {"replicas": replicas, "stride": stride, "evicted_per_s": evicted_per_s, "kv_blocks": kv_blocks, "period_s": period_s,
             "seconds": seconds, "report_bytes_p50": statistics.median(report_bytes),
             "broadcast_bytes_p50": statistics.median(broadcast_bytes), "broadcasts_per_s": broadcasts / seconds,
             "router_bytes_per_s": sum(broadcast_bytes) / seconds,
@@ -127,6 +130,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
                    help="each replica's cache (an 8B on an H100: ~28,000 blocks of 16 tokens)")
     p.add_argument("--period-s", type=float, default=1.0, help="request_routing_stats_period_s")
     p.add_argument("--seconds", type=int, default=10, help="fleet time simulated")
+    p.add_argument("--stride", type=int, default=4, help="the index keeps one block of a chain in this many and the "
+                   "replicas log only those (LLMRouter's default: 32 tokens of 8-token blocks); 1: every block")
     p.add_argument("--ray", action="store_true", help="also time each broadcast through a local Ray actor call, "
                    "with and without the evictions (starts Ray on this machine, stops it after)")
     p.add_argument("--json", default="", help="write the rows here too")
@@ -139,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     rows = []
     try:
         for n in map(int, args.replicas.split(",")):
-            r, broadcast = measure(n, args.evicted_per_s, args.kv_blocks, args.period_s, args.seconds)
+            r, broadcast = measure(n, args.evicted_per_s, args.kv_blocks, args.period_s, args.seconds, args.stride)
             ray_extra = "-"
             if args.ray:  # the evictions' share of a broadcast's Ray call, times broadcasts a second
                 r["ray_call_ms"] = ray_call_ms(broadcast)

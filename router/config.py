@@ -70,6 +70,12 @@ class LLMRouterConfig(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_num_seqs: int = Field(64, ge=1)
 
+    @property
+    def index_stride_blocks(self) -> int:
+        """The index keeps one block in this many (`index_stride_tokens` in whole blocks); the replicas
+        report only those evicted (deployments.app)."""
+        return max(1, self.index_stride_tokens // self.block_size)
+
     @field_validator("cost_model")
     @classmethod
     def _known_preset(cls, name: Optional[str]) -> Optional[str]:

@@ -11,7 +11,8 @@ is the deepest of the request's blocks it holds, found for every replica at once
 request's chain.
 
 It keeps one block in every `stride` of a chain: blocks stride-1, 2*stride-1, ... (each still names
-its whole prefix, so the prefix property holds for them). A match is found to within `stride`
+its whole prefix, so the prefix property holds for them; block_hash.first_routed_block, by which the
+replicas' eviction logs report the same blocks and the routers' exchange carries them). A match is found to within `stride`
 blocks, for a stride-th of the work each request's passes over its chain cost (claim, confirm,
 insert) and of the memory: a decision needs the matched prefix to within a few dozen tokens, not
 to the block (router.config's `index_stride_tokens`).
@@ -32,7 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence
 
-from batcher.block_hash import BlockHash, routing_key
+from batcher.block_hash import BlockHash, first_routed_block, routing_key
 
 
 class PrefixIndex:
@@ -143,7 +144,7 @@ class PrefixIndex:
         holds the chain, then the next one above it. Cost: about log2(len(hashes)) lookups per
         distinct match depth, whatever the fleet size. Counts are multiples of the stride."""
         found: Dict[Hashable, int] = {}
-        stride, hashes = self.stride, hashes[self.stride - 1::self.stride]
+        stride, hashes = self.stride, hashes[first_routed_block(0, self.stride)::self.stride]
         top, holders = len(hashes), len(self._blocks.keys() | self._claims.keys())
         while top > 0 and len(found) < holders:
             lo, hi = 0, top  # the deepest depth in [1, top] with more holders than found so far
@@ -194,9 +195,8 @@ class PrefixIndex:
 
     def kept_keys(self, hashes: Sequence[BlockHash], start: int = 0) -> List[bytes]:
         """The routing keys of the blocks of chain `hashes` (root first) this index keeps (one a
-        stride, counted from the root), from block `start` on."""
-        first = start + (self.stride - 1 - start) % self.stride
-        return [routing_key(h) for h in hashes[first::self.stride]]
+        stride, counted from the root: block_hash.first_routed_block), from block `start` on."""
+        return [routing_key(h) for h in hashes[first_routed_block(start, self.stride)::self.stride]]
 
     def _disown(self, h: BlockHash, replica: Hashable) -> None:
         owners = self._owners.get(h)

@@ -46,7 +46,7 @@ class LLMRouter(RequestRouter):
         self.step_model = PRESETS[cfg.cost_model or "cpu-smollm2"].step  # the prior of the learned ones
         self._prior = coefficients(self.step_model)
         self.shape = EngineShape(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.index = PrefixIndex(cfg.max_blocks_per_replica, max(1, cfg.index_stride_tokens // cfg.block_size))
+        self.index = PrefixIndex(cfg.max_blocks_per_replica, cfg.index_stride_blocks)
         self.ledger = RequestLedger(self.index, cfg.max_tracked_requests)
         self.evictions = EvictionFeed(self.index)  # what replicas report they evicted leaves the index
         self._root = root_hash(cfg.model)  # requests without a cache salt (most) share it

@@ -172,12 +172,13 @@ def _check_invariants(bm: BlockManager, live: list) -> None:
             assert bm.blocks[b].hash == h
 
 
-def random_operations(seed: int, steps: int = 400):
+def random_operations(seed: int, steps: int = 400, eviction_stride: int = 1):
     """Admit (with prefix hits), prefill in chunks, decode, preempt and finish in random order over
     prompts that share prefixes, as the scheduler would; yields (manager, live sequences) after each
     operation and frees everything at the end."""
     rng = random.Random(seed)
     bm = BlockManager(num_blocks=rng.choice([12, 24, 48]), block_size=rng.choice([2, 4]))
+    bm.evictions.stride = eviction_stride
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
     live, waiting = [], []
     for i in range(steps):

@@ -71,6 +71,19 @@ def test_llm_router_hashes_blocks_as_the_engine_caches_them():
     assert gpu["request_router_config"].request_router_kwargs["cost_model"] == "h100-llama3-8b"
 
 
+@pytest.mark.parametrize("router,stride", [
+    ({"request_router_class": "router:LLMRouter"}, 4),  # 32 tokens of 8-token blocks
+    ({"request_router_class": "router:LLMRouter", "request_router_kwargs": {"index_stride_tokens": 16}}, 2),
+    ({"request_router_class": "router:LLMRouter", "request_router_kwargs": {"index_stride_tokens": 5}}, 1),
+    ({}, 1),  # Serve's router reads no evictions: every block, as the engine logs them
+])
+def test_the_replicas_report_the_evicted_blocks_the_routers_index_keeps(router, stride):
+    """The LLM replicas log one evicted block of a chain in LLMRouter's index stride (its
+    `index_stride_blocks`), so a report names only blocks the routers' indexes hold."""
+    llm = build_app({"router": router})._bound_deployment.init_args[0]._bound_deployment
+    assert llm.init_args[4] == stride
+
+
 def test_with_a_router_of_its_own_the_ingress_routes_on_its_event_loop():
     """LLMRouter's decisions are CPU work: they run on the ingress's loop, not in a thread of their own
     contending for the GIL with it (docs/routing.md); Serve's own router keeps Serve's default."""
