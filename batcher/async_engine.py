@@ -257,7 +257,7 @@ class AsyncLLMEngine:
 
     def report_evictions_every(self, blocks: int) -> None:
         """Log only every `blocks`-th block of a chain, from the root (the ones the request routers'
-        prefix indexes keep). Before the first request: what was logged before stays as it was."""
+        prefix indexes keep). Set before serving: blocks already logged stay in the log."""
         self.engine.block_manager.evictions.stride = blocks
 
     def cut_evictions(self) -> List[EvictedSegment]:

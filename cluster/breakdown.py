@@ -30,13 +30,13 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import numpy as np
 
 from cluster.fleet_sim import FleetSim
 from cluster.fleet_sim_parts import Result, SimWorkload
-from cluster.simulate import load_trace, run_all
+from cluster.simulate import fewest, load_trace, run_all
 from cluster.traces import Trace
 
 PHASES = ("rise", "steady", "fall")
@@ -101,7 +101,7 @@ def learned_summary(trace: Trace, work: SimWorkload, startup_s: float, slo_s: fl
                     policy: Result, budget: Result, after_s: float, max_replicas: int = 1000) -> dict:
     """The learned bound at `policy`'s SLO share (the fewest replicas after `after_s` reaching it) and
     at `budget`'s replica-seconds (SLO share interpolated between the counts around them). Both grow
-    with the count: found by doubling, then bisecting."""
+    with the count (simulate.fewest)."""
     runs: Dict[int, Result] = {}
 
     def run(n: int) -> Result:
@@ -109,20 +109,9 @@ def learned_summary(trace: Trace, work: SimWorkload, startup_s: float, slo_s: fl
             runs[n] = learned_bound(trace, work, startup_s, slo_s, dt_s, seed, policy, after_s, n)
         return runs[n]
 
-    def first(ok) -> Optional[int]:  # the fewest replicas for which ok(run) holds (None: not up to max)
-        lo, hi = 0, 1
-        while not ok(run(hi)):
-            if hi >= max_replicas:
-                return None
-            lo, hi = hi, min(max_replicas, 2 * hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if ok(run(mid)) else (mid, hi)
-        return hi
-
     target = _share(policy) - 1e-9
-    match = first(lambda r: _share(r) >= target)
-    over = first(lambda r: r.replica_seconds > budget.replica_seconds)
+    match = fewest(lambda n: _share(run(n)) >= target, max_replicas)
+    over = fewest(lambda n: run(n).replica_seconds > budget.replica_seconds, max_replicas)
     at_budget = None
     if over is not None and over > 1:
         lo, hi = run(over - 1), run(over)
@@ -185,15 +174,14 @@ def main(argv=None) -> int:
         bound = learned_summary(trace, work, args.startup_s, args.slo_s, args.dt_s, args.seed, q, d,
                                 args.learned_after_s)
         report["learned_bound"] = bound
-        share = _share
         n, rs, at = bound["replicas_to_match_share"], bound["replica_seconds_to_match_share"], bound["slo_share_at_budget"]
         print(f"learned bound: queue_depth until {args.learned_after_s:.0f} s, then a constant fleet chosen with the trace in hand")
-        print(f"  at queue_depth's SLO share ({share(q):.2%}): {n} replicas, {rs} replica-s "
+        print(f"  at queue_depth's SLO share ({_share(q):.2%}): {n} replicas, {rs} replica-s "
               f"({rs / q.replica_seconds:.2f}x queue_depth's, {rs / d.replica_seconds:.2f}x serve_default's)"
               if n else "  no constant fleet reaches queue_depth's SLO share")
         if at is not None:
             print(f"  at serve_default's replica-seconds ({d.replica_seconds:.0f}): {at:.2%} within the SLO "
-                  f"({100 * (at - share(d)):+.1f} points over serve_default's {share(d):.2%})")
+                  f"({100 * (at - _share(d)):+.1f} points over serve_default's {_share(d):.2%})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")

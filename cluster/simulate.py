@@ -169,19 +169,27 @@ def fixed_baseline(trace: Trace, work: SimWorkload, startup_s: float, slo_s: flo
     high = low + 1
     frac = min(1.0, max(0.0, count - low))
     at_equal = (1 - frac) * share(low) + frac * share(high)
-    # Smallest constant count reaching match_share: double, then bisect (share grows with the count).
-    lo_n, hi_n = 1, max(1, high)
-    while share(hi_n) < match_share and hi_n < max_replicas:
-        lo_n, hi_n = hi_n, min(max_replicas, 2 * hi_n)
-    while hi_n - lo_n > 1:
-        mid = (lo_n + hi_n) // 2
-        lo_n, hi_n = (mid, hi_n) if share(mid) < match_share else (lo_n, mid)
-    matched = hi_n if share(hi_n) >= match_share else None
+    matched = fewest(lambda n: share(n) >= match_share, max_replicas, start=high)
     res = shares[low][1] if frac < 0.5 else shares[high][1]
     return {"replicas": round(count, 2), "replica_seconds": round(replica_seconds), "slo_share": at_equal,
             "replicas_to_match_queue_depth": matched,
             "replica_seconds_to_match": round(matched * trace.duration_s) if matched else None,
             "slo_share_by_count": {n: v[0] for n, v in sorted(shares.items())}}, res
+
+
+def fewest(ok: Callable[[int], bool], max_n: int, start: int = 1) -> Optional[int]:
+    """The fewest replicas n in [1, max_n] for which `ok(n)`, which holds from some n on (the SLO
+    share grows with the count, and so do replica-seconds); None if not up to max_n. Doubling from
+    `start`, then bisecting: a few dozen simulations at most."""
+    lo, hi = 0, min(max_n, max(1, start))
+    while not ok(hi):
+        if hi >= max_n:
+            return None
+        lo, hi = hi, min(max_n, 2 * hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
 
 
 def check_targets(s: Dict[str, dict]) -> List[dict]:

@@ -12,10 +12,10 @@ request's chain.
 
 It keeps one block in every `stride` of a chain: blocks stride-1, 2*stride-1, ... (each still names
 its whole prefix, so the prefix property holds for them; block_hash.first_routed_block, by which the
-replicas' eviction logs report the same blocks and the routers' exchange carries them). A match is found to within `stride`
-blocks, for a stride-th of the work each request's passes over its chain cost (claim, confirm,
-insert) and of the memory: a decision needs the matched prefix to within a few dozen tokens, not
-to the block (router.config's `index_stride_tokens`).
+replicas' eviction logs report the same blocks and the routers' exchange carries them). A match is
+found to within `stride` blocks, for a stride-th of the work each request's passes over its chain
+cost (claim, confirm, insert) and of the memory: a decision needs the matched prefix to within a few
+dozen tokens, not to the block (router.config's `index_stride_tokens`).
 
 A claim (`claim`/`release`) counts a chain on a replica while its request waits for Serve's
 confirmation: the next requests of a burst follow it there, and a claim released (Serve sent the
