@@ -25,7 +25,7 @@ class LLMRouterConfig(BaseModel):
         "blocks, at least one): a cached prefix is found to within it, for that fraction of the index's work per "
         "request and of its memory (at 8-token blocks, 4: a quarter). A decision needs the match to within a few "
         "dozen tokens; the engine still caches and matches every block. The routers of one deployment must agree "
-        "(they do: one config).")
+        "(they do: one config); the routers' exchange and the replicas' eviction reports carry the same blocks.")
     follow_evictions: bool = Field(
         True, description="Drop from the prefix index the blocks replicas report they evicted (their reports' "
         "`evicted`); off: the index forgets only by its own LRU, capped at each replica's KV blocks.")
