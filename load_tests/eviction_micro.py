@@ -23,6 +23,7 @@ from collections import deque
 from typing import List, Optional, Sequence, Tuple
 
 from batcher.eviction_log import EvictionLog
+from router.config import DEFAULT_INDEX_STRIDE_BLOCKS
 from router.eviction_feed import EvictionFeed
 from router.index import PrefixIndex
 
@@ -35,7 +36,7 @@ def _hashes(n: int) -> List[bytes]:
 
 
 def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, seconds: int,
-            stride: int = 4) -> Tuple[dict, list]:
+            stride: int = DEFAULT_INDEX_STRIDE_BLOCKS) -> Tuple[dict, list]:
     """One fleet's run: its figures, and the last broadcast (for `ray_call_ms`). `stride`: the index
     keeps one block of a chain in this many, and the replicas log only those (deployments.app)."""
     # Room for the blocks evicted since the last report read: the feed, not the index's own LRU, drops
@@ -130,8 +131,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
                    help="each replica's cache (an 8B on an H100: ~28,000 blocks of 16 tokens)")
     p.add_argument("--period-s", type=float, default=1.0, help="request_routing_stats_period_s")
     p.add_argument("--seconds", type=int, default=10, help="fleet time simulated")
-    p.add_argument("--stride", type=int, default=4, help="the index keeps one block of a chain in this many and the "
-                   "replicas log only those (LLMRouter's default: 32 tokens of 8-token blocks); 1: every block")
+    p.add_argument("--stride", type=int, default=DEFAULT_INDEX_STRIDE_BLOCKS,
+                   help="the index keeps one block of a chain in this many and the "
+                   "replicas log only those (default: LLMRouter's, 4: 32 tokens of 8-token blocks); 1: every block")
     p.add_argument("--ray", action="store_true", help="also time each broadcast through a local Ray actor call, "
                    "with and without the evictions (starts Ray on this machine, stops it after)")
     p.add_argument("--json", default="", help="write the rows here too")

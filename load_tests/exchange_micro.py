@@ -25,6 +25,8 @@ from typing import List, Optional, Sequence
 
 import ray
 
+from router.config import DEFAULT_INDEX_STRIDE_BLOCKS
+
 DRAIN_S = 1.0  # after the last send: time for every entry to reach every router
 
 
@@ -92,7 +94,8 @@ class RouterHost:
 
 
 def measure(routers: int, processes: int, requests_per_s: float, prompt_blocks: int, answer_blocks: int,
-            answer_after_s: float, seconds: float, share_index_s: float, seed: int, stride: int = 4) -> dict:
+            answer_after_s: float, seconds: float, share_index_s: float, seed: int,
+            stride: int = DEFAULT_INDEX_STRIDE_BLOCKS) -> dict:
     from router.index_exchange import board_stats
 
     deployment = f"exchange-micro/{routers}-routers-stride{stride}"
@@ -143,8 +146,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     p.add_argument("--answer-after-s", type=float, default=1.0, help="mean time from a send to its answer")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--share-index-s", type=float, default=0.25, help="LLMRouterConfig.share_index_s")
-    p.add_argument("--stride", type=int, default=4, help="the routers' indexes keep one block in this many, and "
-                   "entries carry those (LLMRouter's default: 32 tokens of 8-token blocks); 1: every block")
+    p.add_argument("--stride", type=int, default=DEFAULT_INDEX_STRIDE_BLOCKS,
+                   help="the routers' indexes keep one block in this many, and "
+                   "entries carry those (default: LLMRouter's, 4: 32 tokens of 8-token blocks); 1: every block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the rows here too")
     args = p.parse_args(argv)

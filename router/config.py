@@ -82,3 +82,8 @@ class LLMRouterConfig(BaseModel):
         if name is not None and name not in PRESETS:
             raise ValueError(f"unknown cost_model {name!r}; known: {', '.join(PRESETS)}")
         return name
+
+
+# LLMRouter's default index stride in blocks (the defaults' index_stride_tokens over block_size): the
+# benchmarks' default (load_tests.exchange_micro, load_tests.eviction_micro).
+DEFAULT_INDEX_STRIDE_BLOCKS = LLMRouterConfig(model="-").index_stride_blocks
