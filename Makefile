@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install model serve test bench experiment bench-offline bench-serving bench-routing bench-forward bench-structured bench-lora soak clean
+.PHONY: install model serve test lint format bench experiment bench-offline bench-serving bench-routing bench-forward bench-structured bench-lora soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ serve: model
 TEST_WORKERS ?= 2
 test: model
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+
+# ruff: lint and format check (CI runs it before the tests); `make format` rewrites in place.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 # Load-test a running server: make bench BENCH_URL=http://127.0.0.1:8000 BENCH_ARGS="--request-rate 1,2,4"
 BENCH_URL ?= http://127.0.0.1:8000
