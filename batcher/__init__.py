@@ -9,14 +9,24 @@ Public API (other packages depend on these names):
   engine.snapshot() / engine.stats(): the state the loop thread published after its last round.
 - block_hash: the prefix cache's SHA-256 block hashes (request routers hash with it too).
 """
+
 from batcher.config import EngineConfig
 from batcher.errors import EngineDeadError, EngineError, InvalidRequestError, RequestTooLongError
 from batcher.outputs import Completion, EngineStats, StreamDelta, TokenLogprob
 from batcher.sampling_params import SamplingParams
 
 __all__ = [
-    "AsyncLLMEngine", "Completion", "EngineConfig", "EngineDeadError", "EngineError", "EngineStats",
-    "InvalidRequestError", "LLMEngine", "RequestTooLongError", "SamplingParams", "StreamDelta",
+    "AsyncLLMEngine",
+    "Completion",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStats",
+    "InvalidRequestError",
+    "LLMEngine",
+    "RequestTooLongError",
+    "SamplingParams",
+    "StreamDelta",
     "TokenLogprob",
 ]
 
@@ -24,8 +34,10 @@ __all__ = [
 def __getattr__(name):  # the engines pull in torch and transformers: import them on first use
     if name == "LLMEngine":
         from batcher.llm_engine import LLMEngine
+
         return LLMEngine
     if name == "AsyncLLMEngine":
         from batcher.async_engine import AsyncLLMEngine
+
         return AsyncLLMEngine
     raise AttributeError(name)

@@ -3,6 +3,7 @@
 Callers never touch the scheduler: adds and aborts travel through an inbox the loop drains between
 steps, and each step's deltas go back to the callers' event loops in one hop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -103,10 +104,15 @@ class AsyncLLMEngine:
         failing every stream, and check_health fails from then on."""
         self._failed_steps_in_a_row += 1
         if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
-            raise EngineDeadError(f"{self._failed_steps_in_a_row} engine steps failed in a row, "
-                                  f"the last with {error}") from error
-        logger.error("engine step failed (%d in a row); failing the %d request(s) it had scheduled",
-                     self._failed_steps_in_a_row, len(error.request_ids), exc_info=error)
+            raise EngineDeadError(
+                f"{self._failed_steps_in_a_row} engine steps failed in a row, the last with {error}"
+            ) from error
+        logger.error(
+            "engine step failed (%d in a row); failing the %d request(s) it had scheduled",
+            self._failed_steps_in_a_row,
+            len(error.request_ids),
+            exc_info=error,
+        )
         for rid in error.request_ids:  # one error object per stream: each caller raises its own
             self._dispatch_error(rid, StepError(str(error), (rid,)))
 
@@ -144,9 +150,15 @@ class AsyncLLMEngine:
             target[0].call_soon_threadsafe(target[1].put_nowait, error)
 
     # -- caller side --------------------------------------------------------------------------
-    async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                     cache_salt: Optional[str] = None, lora_name: Optional[str] = None,
-                     lora_path: Optional[str] = None) -> AsyncIterator[StreamDelta]:
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        lora_name: Optional[str] = None,
+        lora_path: Optional[str] = None,
+    ) -> AsyncIterator[StreamDelta]:
         """Yields the request's deltas (with n > 1, its choices' interleaved: StreamDelta.index); tokens
         that piled up while the caller was busy come as one per choice. Leaving the loop early (or
         being cancelled) aborts the request and frees its KV blocks."""
@@ -155,26 +167,44 @@ class AsyncLLMEngine:
         async for delta in self._run_request(request):
             yield delta
 
-    async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                       cache_salt: Optional[str] = None, lora_name: Optional[str] = None,
-                       lora_path: Optional[str] = None) -> Completion:
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        lora_name: Optional[str] = None,
+        lora_path: Optional[str] = None,
+    ) -> Completion:
         """The whole answer of a request with n = 1 (generate_choices takes any n)."""
         if params is not None and params.n != 1:
             raise InvalidRequestError("generate() returns one completion: use generate_choices() for n > 1")
         return (await self.generate_choices(prompt, params, request_id, cache_salt, lora_name, lora_path))[0]
 
-    async def generate_choices(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                               request_id: Optional[str] = None, cache_salt: Optional[str] = None,
-                               lora_name: Optional[str] = None, lora_path: Optional[str] = None) -> List[Completion]:
+    async def generate_choices(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        lora_name: Optional[str] = None,
+        lora_path: Optional[str] = None,
+    ) -> List[Completion]:
         """The n completions of a request, by index."""
         self.check_health()
         request = await self._make_request(prompt, params, request_id, cache_salt, lora_name, lora_path)
         deltas = [d async for d in self._run_request(request)]
         return completions_by_choice(request.seq.prompt_token_ids, deltas)
 
-    async def _make_request(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str],
-                            cache_salt: Optional[str], lora_name: Optional[str] = None,
-                            lora_path: Optional[str] = None) -> EngineRequest:
+    async def _make_request(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams],
+        request_id: Optional[str],
+        cache_salt: Optional[str],
+        lora_name: Optional[str] = None,
+        lora_path: Optional[str] = None,
+    ) -> EngineRequest:
         args = (prompt, params, request_id, cache_salt, lora_name, lora_path)
         # A grammar compile or an adapter read: off the event loop, other requests go on meanwhile.
         if (params is not None and params.structured_outputs is not None) or lora_name is not None:
@@ -267,8 +297,11 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         snap = self._snapshot
-        return dataclasses.replace(snap.stats, seconds_since_last_step=time.monotonic() - snap.last_step_time,
-                                   loop_alive=self._thread.is_alive() and self._error is None)
+        return dataclasses.replace(
+            snap.stats,
+            seconds_since_last_step=time.monotonic() - snap.last_step_time,
+            loop_alive=self._thread.is_alive() and self._error is None,
+        )
 
     @property
     def stall_timeout_s(self) -> float:
@@ -285,8 +318,10 @@ class AsyncLLMEngine:
         stats = self._snapshot.stats
         # Open streams count too: a request added just before the loop hung is in no snapshot yet.
         if idle > self.stall_timeout_s and (self._streams or stats.waiting or stats.running):
-            raise EngineDeadError(f"engine loop made no step for {idle:.1f}s with requests pending "
-                                  f"(stall bound {self.stall_timeout_s:.1f}s)")
+            raise EngineDeadError(
+                f"engine loop made no step for {idle:.1f}s with requests pending "
+                f"(stall bound {self.stall_timeout_s:.1f}s)"
+            )
 
     def _dead_error(self) -> EngineDeadError:
         if self._error is not None:

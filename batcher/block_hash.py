@@ -7,6 +7,7 @@ blocks collide with another tenant's and be served their KV.) The chain starts f
 covers everything else that changes the KV: the model and the request's `cache_salt`, so tenants
 with different salts never share blocks, nor the timing a cache hit would reveal.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,8 +54,9 @@ def adapter_cache_id(name: str, digest: str) -> str:
     return f"{name}@{digest}"
 
 
-def iter_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int, root: BlockHash,
-                      known: Sequence[BlockHash] = ()) -> Iterator[BlockHash]:
+def iter_block_hashes(
+    token_ids: Sequence[int], block_size: int, num_blocks: int, root: BlockHash, known: Sequence[BlockHash] = ()
+) -> Iterator[BlockHash]:
     """Hashes of full blocks len(known)..num_blocks-1 of `token_ids`, chained on from `known`, the
     hashes of its first blocks (already computed: a sequence's, a prompt's), or from `root`."""
     start = len(known)
@@ -62,15 +64,16 @@ def iter_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int
         return
     parent = known[-1] if known else root
     # int64 ids, packed once for the blocks hashed here (not the whole sequence every step).
-    packed = array("q", token_ids[start * block_size:num_blocks * block_size]).tobytes()
+    packed = array("q", token_ids[start * block_size : num_blocks * block_size]).tobytes()
     step = block_size * 8
     for offset in range(0, len(packed), step):
-        parent = hashlib.sha256(parent + packed[offset:offset + step]).digest()
+        parent = hashlib.sha256(parent + packed[offset : offset + step]).digest()
         yield parent
 
 
-def cacheable_block_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash,
-                           known: Sequence[BlockHash] = ()) -> List[BlockHash]:
+def cacheable_block_hashes(
+    token_ids: Sequence[int], block_size: int, root: BlockHash, known: Sequence[BlockHash] = ()
+) -> List[BlockHash]:
     """Hashes of the blocks of `token_ids` a prefix-cache lookup can hit: the full blocks before the
     last token (whose logits must be computed). Also what a finished sequence leaves cached: every
     token but the last sampled one was computed. `known`: hashes of its first blocks, not recomputed

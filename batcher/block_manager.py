@@ -6,6 +6,7 @@ prefixes of the same tenant map to equal blocks. Freed blocks keep their hash an
 a new allocation evicts them (least recently freed first). What it evicts goes to `evictions`
 (batcher.eviction_log), which the replica reports to request routers.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -76,8 +77,9 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         start = len(seq.block_hashes)
-        for i, h in enumerate(iter_block_hashes(seq.token_ids, self.block_size, num_full, seq.cache_root,
-                                                seq.block_hashes), start):
+        for i, h in enumerate(
+            iter_block_hashes(seq.token_ids, self.block_size, num_full, seq.cache_root, seq.block_hashes), start
+        ):
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash != _NO_HASH:

@@ -12,6 +12,7 @@ packed once for oneDNN/MKL: faster CPU steps) is opt-in because it defeats that 
 cache bypasses every frozen graph, and the FX graph cache bypasses a frozen bf16 graph (its packed
 oneDNN weights cannot be pickled), so each start compiles from scratch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,23 +55,33 @@ def _own_code(fn: Callable) -> Callable:
     """A copy of `fn` with a code object of its own. Dynamo keeps compiled graphs, their guards and
     its recompile limit per code object: without this, every runner in a process (tests build dozens)
     would add guards on its weights to one shared entry and, past 8, silently run eagerly."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-             sample_index: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+def _forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    sample_index: torch.Tensor,
+    meta: PagedMetadata,
+) -> torch.Tensor:
     """input_ids, positions (T,); sample_index (S,) rows whose logits are returned (S, vocab)."""
-    out = model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                logits_to_keep=sample_index, paged_metadata=meta)
+    out = model(
+        input_ids=input_ids[None],
+        position_ids=positions[None],
+        use_cache=False,
+        logits_to_keep=sample_index,
+        paged_metadata=meta,
+    )
     return out.logits[0]
 
 
 def _no_weight_guards(entries) -> list:
     """Keeps every guard but those on the model's own weights and buffers (hundreds of tensors the
     engine never replaces: adapters and quantized weights are written in place)."""
-    return [not (e.guard_type == "TENSOR_MATCH" and ("._parameters[" in e.name or "._buffers[" in e.name))
-            for e in entries]
+    return [
+        not (e.guard_type == "TENSOR_MATCH" and ("._parameters[" in e.name or "._buffers[" in e.name)) for e in entries
+    ]
 
 
 class StepForward:
@@ -78,8 +89,14 @@ class StepForward:
     `precompiled_path`, the compiled step is loaded from that file when it is there, else traced ahead
     of time on the first (warm-up) call and saved there (batcher/precompiled_forward.py)."""
 
-    def __init__(self, model: torch.nn.Module, mode: str, cuda_graphs: bool = False, freezing: bool = False,
-                 precompiled_path: Optional[Path] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mode: str,
+        cuda_graphs: bool = False,
+        freezing: bool = False,
+        precompiled_path: Optional[Path] = None,
+    ):
         self.model = model
         self.mode = mode
         self.cuda_graphs = cuda_graphs and mode != "eager"
@@ -93,8 +110,11 @@ class StepForward:
             try:
                 loaded = precompiled_forward.load(self.precompiled_path, _forward.__globals__)
             except Exception as exc:  # a torch upgrade, a truncated file: compile again
-                logger.warning("the precompiled step %s did not load (%s); compiling it again",
-                               self.precompiled_path.name, _reason(exc))
+                logger.warning(
+                    "the precompiled step %s did not load (%s); compiling it again",
+                    self.precompiled_path.name,
+                    _reason(exc),
+                )
                 self.precompiled_path.unlink(missing_ok=True)
                 loaded = None
             if loaded is not None:
@@ -107,12 +127,16 @@ class StepForward:
         use_compile_cache()
         options = dict(CUDA_GRAPH_OPTIONS) if self.cuda_graphs else {}
         options["freezing"] = self.freezing
-        options["guard_filter_fn"] = (_no_weight_guards if self.precompiled_path is None
-                                      else precompiled_forward.serializable_guards(_no_weight_guards))
+        options["guard_filter_fn"] = (
+            _no_weight_guards
+            if self.precompiled_path is None
+            else precompiled_forward.serializable_guards(_no_weight_guards)
+        )
         return torch.compile(_own_code(_forward), dynamic=None, fullgraph=True, options=options)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_index: torch.Tensor,
-                 meta: PagedMetadata) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, sample_index: torch.Tensor, meta: PagedMetadata
+    ) -> torch.Tensor:
         args = (self.model, input_ids, positions, sample_index, meta)
         if self.mode == "eager" or (self.warmed and self.precompiled):
             return self._fn(*args)  # a saved step: its file's key stands in for guards, dynamo never runs
@@ -136,8 +160,9 @@ class StepForward:
             try:
                 return self._fn(*args)
             except Exception as exc:
-                logger.warning("the precompiled step %s does not fit this model (%s); compiling it again",
-                               path.name, _reason(exc))
+                logger.warning(
+                    "the precompiled step %s does not fit this model (%s); compiling it again", path.name, _reason(exc)
+                )
                 path.unlink(missing_ok=True)
                 self._fn, self.precompiled = self._compiled(), None
         if path is not None and self.precompiled is None:
@@ -146,8 +171,7 @@ class StepForward:
             except Exception as exc:
                 self.precompiled_path = None
                 out = self._fn(*args)  # raises if the step cannot compile at all (build_step_forward logs)
-                logger.warning("the compiled step cannot be saved whole (%s); a restart traces it again",
-                               _reason(exc))
+                logger.warning("the compiled step cannot be saved whole (%s); a restart traces it again", _reason(exc))
                 return out
         return self._fn(*args)
 
@@ -158,9 +182,15 @@ class StepForward:
             self._fn.disable_guard_check()
 
 
-def build_step_forward(model: torch.nn.Module, compile: str, warm_up: Callable[["StepForward"], None],
-                       device: torch.device, cuda_graphs: bool = False, freezing: bool = False,
-                       precompile_key: Optional[str] = None) -> StepForward:
+def build_step_forward(
+    model: torch.nn.Module,
+    compile: str,
+    warm_up: Callable[["StepForward"], None],
+    device: torch.device,
+    cuda_graphs: bool = False,
+    freezing: bool = False,
+    precompile_key: Optional[str] = None,
+) -> StepForward:
     """compile: 'off' -> eager; 'auto' -> compiled, or eager with one log line when the model cannot
     be compiled; 'inductor' -> compiled, or CompileError. `warm_up(forward)` runs the steps that
     compile (a compile error surfaces there, at start-up, not in a request). precompile_key: the
@@ -174,17 +204,22 @@ def build_step_forward(model: torch.nn.Module, compile: str, warm_up: Callable[[
         warm_up(forward)
         forward.compile_seconds = time.perf_counter() - t0
         forward.finish_warm_up()
-        logger.info("compiled the forward on %s in %.1f s (cache: %s%s)", device, forward.compile_seconds,
-                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-                    f"; step {forward.precompiled} whole" if forward.precompiled else "")
+        logger.info(
+            "compiled the forward on %s in %.1f s (cache: %s%s)",
+            device,
+            forward.compile_seconds,
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+            f"; step {forward.precompiled} whole" if forward.precompiled else "",
+        )
         return forward
     except Exception as exc:  # dynamo/inductor raise many types; all mean "cannot compile this model"
         reason = _reason(exc)
         if compile != "auto":
             raise CompileError(f"compile={compile!r} failed for {type(model).__name__}: {reason}") from exc
         # The traceback too: a bare AssertionError from inside dynamo/inductor says nothing on its own.
-        logger.warning("compile=auto: %s cannot be compiled (%s); running eagerly", type(model).__name__,
-                       reason, exc_info=True)
+        logger.warning(
+            "compile=auto: %s cannot be compiled (%s); running eagerly", type(model).__name__, reason, exc_info=True
+        )
         return StepForward(model, "eager")
 
 

@@ -1,4 +1,5 @@
 """Engine configuration: the one pydantic model every layer reads its settings from."""
+
 from __future__ import annotations
 
 import os
@@ -15,15 +16,23 @@ class LoRAConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    adapters: Dict[str, str] = Field(default_factory=dict, description="Adapters by name: a local directory "
-                                     "in PEFT's format (adapter_config.json + adapter_model.safetensors).")
+    adapters: Dict[str, str] = Field(
+        default_factory=dict,
+        description="Adapters by name: a local directory "
+        "in PEFT's format (adapter_config.json + adapter_model.safetensors).",
+    )
     dynamic_lora_loading_path: Optional[str] = Field(
-        None, description="A directory (or an fsspec URI, fsspec installed) holding adapters as <name>/: a "
-        "request naming an adapter not listed loads it from there on first use.")
+        None,
+        description="A directory (or an fsspec URI, fsspec installed) holding adapters as <name>/: a "
+        "request naming an adapter not listed loads it from there on first use.",
+    )
     max_loras: int = Field(4, ge=1, description="Distinct adapters in one batch (preallocated weight slots).")
     max_cpu_loras: Optional[int] = Field(
-        None, ge=1, description="Adapters held in memory per replica, least recently used evicted first "
-        "(never one a request in flight uses). None: max(max_loras, 8).")
+        None,
+        ge=1,
+        description="Adapters held in memory per replica, least recently used evicted first "
+        "(never one a request in flight uses). None: max(max_loras, 8).",
+    )
     max_lora_rank: int = Field(16, ge=1, le=512, description="Largest adapter rank accepted (slots are this wide).")
 
     @model_validator(mode="after")
@@ -52,16 +61,21 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="'auto' picks cuda when available, else cpu.")
     compile: Literal["auto", "off", "inductor"] = Field(
         # The environment sets the default (the test suite builds dozens of engines eagerly).
-        default_factory=lambda: os.environ.get("ITERSERVE_COMPILE", "auto"), validate_default=True,
+        default_factory=lambda: os.environ.get("ITERSERVE_COMPILE", "auto"),
+        validate_default=True,
         description="'inductor': torch.compile the forward (one dynamic graph; a model that "
         "cannot be compiled fails the start). 'auto': compile where compiling is measured to pay (see "
         "docs/forward.md), eagerly otherwise; a model that cannot be compiled runs eagerly after one "
-        "log line. 'off': eager. Unset: $ITERSERVE_COMPILE, else 'auto'.")
+        "log line. 'off': eager. Unset: $ITERSERVE_COMPILE, else 'auto'.",
+    )
     quantization: Optional[Literal["int8"]] = Field(
-        None, description="'int8': weight-only int8 linear layers (activations stay in `dtype`).")
+        None, description="'int8': weight-only int8 linear layers (activations stay in `dtype`)."
+    )
     attention_backend: Literal["auto", "reference", "cpu", "triton"] = Field(
-        "auto", description="Paged-attention implementation; 'auto' picks by device. 'reference' is the "
-        "gather + SDPA oracle the others are tested against.")
+        "auto",
+        description="Paged-attention implementation; 'auto' picks by device. 'reference' is the "
+        "gather + SDPA oracle the others are tested against.",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one step's batch.")
     max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one step.")
     block_size: int = Field(8, ge=1, le=256, description="Tokens per KV block.")
@@ -74,19 +88,28 @@ class EngineConfig(BaseModel):
     max_model_len: Optional[int] = Field(None, ge=1, description="Default: the model's context length.")
     num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default: all cores.")
     small_step_threads: Optional[int] = Field(
-        None, ge=1, description="torch CPU threads for steps of at most small_step_tokens tokens. Small "
+        None,
+        ge=1,
+        description="torch CPU threads for steps of at most small_step_tokens tokens. Small "
         "decode batches are memory-bound: one thread is about as fast as two, and the other core is then "
-        "free for the serving processes (HTTP, Serve's messages). None: num_threads for every step.")
+        "free for the serving processes (HTTP, Serve's messages). None: num_threads for every step.",
+    )
     small_step_tokens: int = Field(8, ge=1, description="Largest step (in tokens) run on small_step_threads.")
     seed: int = 0
     lora: Optional[LoRAConfig] = Field(None, description="Serve LoRA adapters of the model (None: the base only).")
     grammar_compile_timeout_s: float = Field(
-        10.0, gt=0, description="A structured output whose grammar takes longer to compile is refused (400); "
-        "its compile finishes in the background and is cached for the next request.")
+        10.0,
+        gt=0,
+        description="A structured output whose grammar takes longer to compile is refused (400); "
+        "its compile finishes in the background and is cached for the next request.",
+    )
     trace_steps: int = Field(0, ge=0, description="Record batch occupancy for this many steps (0: off).")
     stall_timeout_s: Optional[float] = Field(
-        None, gt=0, description="check_health fails when the loop has had work but completed no step for "
-        "this long; None: max(60 s, 20 x the slowest step so far), so a slow CPU step never trips it.")
+        None,
+        gt=0,
+        description="check_health fails when the loop has had work but completed no step for "
+        "this long; None: max(60 s, 20 x the slowest step so far), so a slow CPU step never trips it.",
+    )
 
     @field_validator("model")
     @classmethod
@@ -105,7 +128,6 @@ class EngineConfig(BaseModel):
     def _check_static(self) -> "EngineConfig":
         if self.scheduling == "static" and self.static_batch_size > self.max_num_seqs:
             raise ValueError(
-                f"static_batch_size ({self.static_batch_size}) must not exceed "
-                f"max_num_seqs ({self.max_num_seqs})"
+                f"static_batch_size ({self.static_batch_size}) must not exceed max_num_seqs ({self.max_num_seqs})"
             )
         return self

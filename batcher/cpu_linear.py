@@ -12,6 +12,7 @@
   differ only in float rounding order, as they do between batch sizes; greedy parity with Hugging
   Face `generate` is tested (tests/test_engine_parity.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -94,8 +95,11 @@ def use_kernel_linears(model: torch.nn.Module) -> int:
         if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
             module.__class__ = BF16KernelLinear
             count += 1
-        elif (isinstance(module, Int8WeightLinear) and module.qweight.device.type == "cpu"
-              and module.scales.dtype == torch.bfloat16):
+        elif (
+            isinstance(module, Int8WeightLinear)
+            and module.qweight.device.type == "cpu"
+            and module.scales.dtype == torch.bfloat16
+        ):
             module.cpu_kernel = True
             count += 1
     return count

@@ -1,5 +1,6 @@
 """A request's engine-side state beyond what the scheduler sees: its n choices, each a sequence with
 its detokenizer, its logprobs and what of it was handed out in deltas."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,14 +23,19 @@ class EngineChoice:
     def delta(self) -> StreamDelta:
         """What this choice gained since its previous delta."""
         seq = self.seq
-        new = seq.output_token_ids[self.num_sent:]
-        logprobs = self.logprobs[self.num_sent:] if self.logprobs is not None else None
+        new = seq.output_token_ids[self.num_sent :]
+        logprobs = self.logprobs[self.num_sent :] if self.logprobs is not None else None
         self.num_sent = seq.num_output_tokens
         return StreamDelta(
-            request_id=seq.request_id, token_ids=new, text=self.detokenizer.take(seq.is_finished),
-            finish_reason=seq.finish_reason, logprobs=logprobs,
-            num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens, index=seq.index,
+            request_id=seq.request_id,
+            token_ids=new,
+            text=self.detokenizer.take(seq.is_finished),
+            finish_reason=seq.finish_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_generated_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            index=seq.index,
         )
 
 
@@ -54,6 +60,17 @@ class EngineRequest:
     def unforked_deltas(self, reason: str) -> List[StreamDelta]:
         """Final deltas of the choices never forked (the request ended before its prompt was computed)."""
         seq = self.seq
-        return [StreamDelta(seq.request_id, [], "", reason, None if seq.params.logprobs is None else [],
-                            seq.num_prompt_tokens, 0, seq.num_cached_tokens, index=i)
-                for i in range(len(self.choices), seq.params.n)]
+        return [
+            StreamDelta(
+                seq.request_id,
+                [],
+                "",
+                reason,
+                None if seq.params.logprobs is None else [],
+                seq.num_prompt_tokens,
+                0,
+                seq.num_cached_tokens,
+                index=i,
+            )
+            for i in range(len(self.choices), seq.params.n)
+        ]

@@ -1,4 +1,5 @@
 """Typed errors of the engine: callers map them to HTTP statuses."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple

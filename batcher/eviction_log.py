@@ -14,6 +14,7 @@ a router reading the report later must not drop a block the replica holds again.
 most `max_hashes` between them: past that the oldest hashes go and their segment counts them as
 lost, so a router knows its view may be stale (an engine whose reports nobody reads stays bounded).
 """
+
 from __future__ import annotations
 
 import threading

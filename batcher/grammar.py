@@ -6,6 +6,7 @@ holds one matcher per constrained sequence and fills the step's token masks on a
 while the forward runs; rows without a constraint are never touched, so a batch without one pays
 nothing.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -33,12 +34,20 @@ PARAM = "structured_outputs"  # the request field errors name (response_format a
 class GrammarCache:
     """Compiled grammars by constraint (LRU). Thread-safe: requests compile on their callers' threads."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], compile_timeout_s: float,
-                 max_entries: int = 256, max_compiling: int = 4):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        compile_timeout_s: float,
+        max_entries: int = 256,
+        max_compiling: int = 4,
+    ):
         import xgrammar as xgr  # imported here: only engines that constrain pay its import
 
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids))
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._done: "OrderedDict[str, object]" = OrderedDict()
         self._pending: Dict[str, cf.Future] = {}  # a slow constraint sent again waits on the same compile
@@ -58,24 +67,29 @@ class GrammarCache:
             future = self._pending.get(key)
             if future is None:
                 if len(self._pending) >= self.max_compiling:  # stalled compiles must not pile up threads
-                    raise InvalidRequestError(f"structured output: {len(self._pending)} slow constraints are still "
-                                              "compiling on this replica; retry later or simplify the schema",
-                                              PARAM)
+                    raise InvalidRequestError(
+                        f"structured output: {len(self._pending)} slow constraints are still "
+                        "compiling on this replica; retry later or simplify the schema",
+                        PARAM,
+                    )
                 future = self._pending[key] = cf.Future()
                 # A daemon thread: a compile that never ends must not hold the replica's exit.
-                threading.Thread(target=self._run_compile, args=(key, spec, future), daemon=True,
-                                 name="iterserve-grammar").start()
+                threading.Thread(
+                    target=self._run_compile, args=(key, spec, future), daemon=True, name="iterserve-grammar"
+                ).start()
         try:
             return future.result(timeout=self.compile_timeout_s)
         except cf.TimeoutError:
             raise InvalidRequestError(
                 f"structured output: compiling the {spec.kind} constraint took longer than "
                 f"{self.compile_timeout_s:g} s, so it was refused (a simpler schema or grammar compiles faster)",
-                PARAM) from None
+                PARAM,
+            ) from None
         except Exception as e:  # xgrammar raises RuntimeError for bad schemas, regexes and grammars
             message = _LOCATION.sub("", str(e)).strip()
-            raise InvalidRequestError(f"structured output: the {spec.kind} constraint is not supported: {message}",
-                                      PARAM) from None
+            raise InvalidRequestError(
+                f"structured output: the {spec.kind} constraint is not supported: {message}", PARAM
+            ) from None
 
     def _run_compile(self, key: str, spec: StructuredOutputs, future: cf.Future) -> None:
         try:

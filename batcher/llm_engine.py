@@ -1,5 +1,6 @@
 """LLMEngine: model + scheduler + sampler, one step at a time. Single-threaded; AsyncLLMEngine
 drives it from its own thread."""
+
 from __future__ import annotations
 
 import copy
@@ -42,8 +43,13 @@ class LLMEngine:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         else:
             self.dtype = resolve_dtype(config.dtype, self.device)
-            model, self.tokenizer = load_model(config.model, self.dtype, self.device, config.seed,
-                                               resolve_quantization(config.quantization, config.dtype, self.dtype))
+            model, self.tokenizer = load_model(
+                config.model,
+                self.dtype,
+                self.device,
+                config.seed,
+                resolve_quantization(config.quantization, config.dtype, self.dtype),
+            )
             mcfg = model.config
             self.eos_token_ids = eos_token_ids(model, self.tokenizer)
         # The engine thread detokenizes while callers encode: give it its own tokenizer object.
@@ -55,8 +61,12 @@ class LLMEngine:
         # LoRA adapters: slots in the model's linear layers (before the runner builds its forward).
         self.lora = LoRARuntime(config.lora, None if self.simulation else model) if config.lora else None
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.watermark,
-            config.static_batch_size if config.scheduling == "static" else None, self.lora and self.lora.slots,
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.watermark,
+            config.static_batch_size if config.scheduling == "static" else None,
+            self.lora and self.lora.slots,
         )
         if self.simulation:
             answer_ids = self.tokenizer(simulated.ANSWER_TEXT, add_special_tokens=False)["input_ids"]
@@ -68,17 +78,33 @@ class LLMEngine:
             from batcher.model_runner import ModelRunner
 
             self.runner = ModelRunner(
-                model, num_blocks, config.block_size, self.dtype, self.device, config.attention_backend,
-                compile=config.compile, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+                model,
+                num_blocks,
+                config.block_size,
+                self.dtype,
+                self.device,
+                config.attention_backend,
+                compile=config.compile,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
                 thread_counts={self._threads, config.small_step_threads or self._threads},
                 lora=self.lora and self.lora.model,
             )
             self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.requests: Dict[str, EngineRequest] = {}
-        self.builder = RequestBuilder(self.model_name, self.tokenizer, self._detok_tokenizer, self.vocab_size,
-                                      self.max_model_len, self.kv_capacity_tokens, self.eos_token_ids,
-                                      config.grammar_compile_timeout_s, self.simulation is not None, self.lora)
+        self.builder = RequestBuilder(
+            self.model_name,
+            self.tokenizer,
+            self._detok_tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.kv_capacity_tokens,
+            self.eos_token_ids,
+            config.grammar_compile_timeout_s,
+            self.simulation is not None,
+            self.lora,
+        )
         self.constrained: Optional[ConstrainedRows] = None  # made on the first constrained request
         self.counters = EngineStats(kv_blocks_total=num_blocks)
         self.last_step_time = time.monotonic()
@@ -105,9 +131,15 @@ class LLMEngine:
         return min(self.max_model_len, self.kv_capacity_tokens)
 
     # -- requests -----------------------------------------------------------------------------
-    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                     cache_salt: Optional[str] = None, lora_name: Optional[str] = None,
-                     lora_path: Optional[str] = None) -> EngineRequest:
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        lora_name: Optional[str] = None,
+        lora_path: Optional[str] = None,
+    ) -> EngineRequest:
         """Validates, tokenizes, compiles a constraint, loads the adapter (RequestBuilder.build); any
         thread may call it."""
         return self.builder.build(prompt, params, request_id, cache_salt, lora_name, lora_path)
@@ -141,8 +173,9 @@ class LLMEngine:
         self.scheduler.add(request.seq)
         self.counters.prompt_tokens += request.seq.num_prompt_tokens
 
-    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None) -> str:
+    def add_request(
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+    ) -> str:
         request = self.make_request(prompt, params, request_id)
         self.add(request)
         return request.seq.request_id
@@ -184,8 +217,11 @@ class LLMEngine:
             t2 = time.perf_counter()
             masks = filling.result() if filling is not None else None
             # n = 1 (nearly every row) is decided without a lookup: the step loop is hot.
-            forks = {seq: [seq.fork(i) for i in range(1, seq.params.n)] for seq in sampling
-                     if seq.params.n > 1 and len(self.requests[seq.request_id].choices) < seq.params.n}
+            forks = {
+                seq: [seq.fork(i) for i in range(1, seq.params.n)]
+                for seq in sampling
+                if seq.params.n > 1 and len(self.requests[seq.request_id].choices) < seq.params.n
+            }
             if forks:  # each new choice samples its first token from its parent's logits
                 rows = [i for i, seq in enumerate(sampling) for _ in range(1 + len(forks.get(seq, ())))]
                 sampling = [c for seq in sampling for c in (seq, *forks.get(seq, ()))]
@@ -221,7 +257,9 @@ class LLMEngine:
                     self._finish(request, reason)
             deltas.append(choice.delta())
         if self.trace is not None:
-            self.trace.record(out.scheduled, {s.request_id for s in self.scheduler.running}, len(self.scheduler.waiting))
+            self.trace.record(
+                out.scheduled, {s.request_id for s in self.scheduler.running}, len(self.scheduler.waiting)
+            )
         c.generated_tokens += len(tokens)
         c.steps += 1
         c.forward_seconds += t2 - t1
@@ -271,8 +309,9 @@ class LLMEngine:
         self.counters.ended_output_tokens += generated
 
     # -- offline ------------------------------------------------------------------------------
-    def generate(self, prompts: Union[Prompt, Seq[Prompt]],
-                 params: Union[None, SamplingParams, Seq[SamplingParams]] = None) -> List[Completion]:
+    def generate(
+        self, prompts: Union[Prompt, Seq[Prompt]], params: Union[None, SamplingParams, Seq[SamplingParams]] = None
+    ) -> List[Completion]:
         """Runs prompts to completion, in order; a single prompt (str or token ids) is a list of one. A
         request with n > 1 gives n completions in a row (Completion.index 0..n-1)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -311,8 +350,10 @@ class LLMEngine:
         s.prefix_cache_hits = self.block_manager.prefix_hits
         s.seconds_since_last_step = time.monotonic() - self.last_step_time
         s.queued_prefill_tokens = sum(q.num_tokens - q.num_computed_tokens for q in self.scheduler.waiting) + sum(
-            q.num_prompt_tokens - q.num_computed_tokens for q in self.scheduler.running
-            if q.num_computed_tokens < q.num_prompt_tokens)
+            q.num_prompt_tokens - q.num_computed_tokens
+            for q in self.scheduler.running
+            if q.num_computed_tokens < q.num_prompt_tokens
+        )
         s.context_tokens = sum(q.num_tokens for q in self.scheduler.running)
         s.simulation = self.simulation.name if self.simulation else ""
         if self.lora is not None:
@@ -321,4 +362,3 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(self.stats(), tuple(self.held_request_ids()), self.last_step_time)
-

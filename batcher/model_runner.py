@@ -1,6 +1,7 @@
 """Runs one scheduled step through the model: packs the batch and its paged-attention metadata into
 buffers allocated once, runs the (compiled or eager) forward, returns the logits of the sequences
 that sample this step."""
+
 from __future__ import annotations
 
 from typing import Iterable, List, Optional
@@ -41,7 +42,9 @@ class StepBuffers:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
         self.host = {
-            "input_ids": host(max_tokens), "positions": host(max_tokens), "slot_mapping": host(max_tokens),
+            "input_ids": host(max_tokens),
+            "positions": host(max_tokens),
+            "slot_mapping": host(max_tokens),
             "sample_index": host(max_samples),
             "query_start": host(max_seqs + 1, dtype=torch.int32),
             "context_lens": host(max_seqs, dtype=torch.int32),
@@ -55,19 +58,34 @@ class StepBuffers:
         read back (a sync), so a copy never races the next step's writes."""
         if self.dev is self.host:
             return
-        sizes = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
-                 "sample_index": num_samples}
+        sizes = {
+            "input_ids": num_tokens,
+            "positions": num_tokens,
+            "slot_mapping": num_tokens,
+            "sample_index": num_samples,
+        }
         for k, h in self.host.items():
             n = sizes.get(k)
             (self.dev[k] if n is None else self.dev[k][:n]).copy_(h if n is None else h[:n], non_blocking=True)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, attention_backend: str = "auto", compile: str = "off",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_model_len: Optional[int] = None, thread_counts: Iterable[int] = (), freezing: bool = False,
-                 lora: Optional[LoRAModel] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str = "auto",
+        compile: str = "off",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_model_len: Optional[int] = None,
+        thread_counts: Iterable[int] = (),
+        freezing: bool = False,
+        lora: Optional[LoRAModel] = None,
+    ):
         """compile: EngineConfig.compile ('auto' | 'off'; 'inductor' requires it). thread_counts: the
         torch thread counts steps will run with (dynamo keeps one graph per thread count; each is
         compiled at start). freezing: inductor's, see batcher/compiled_forward.py."""
@@ -78,9 +96,13 @@ class ModelRunner:
         self.attention_backend = resolve_backend(attention_backend, device)
         self.kv_cache = KVCache(model.config, num_blocks, block_size, dtype, device)
         max_len = max_model_len or model.config.max_position_embeddings
-        self.buffers = StepBuffers(padded_rows(max(max_num_batched_tokens, max_num_seqs), True),
-                                   padded_rows(max_num_seqs, True), max_num_seqs,
-                                   min(-(-max_len // block_size), num_blocks), device)
+        self.buffers = StepBuffers(
+            padded_rows(max(max_num_batched_tokens, max_num_seqs), True),
+            padded_rows(max_num_seqs, True),
+            max_num_seqs,
+            min(-(-max_len // block_size), num_blocks),
+            device,
+        )
         self.max_num_seqs = max_num_seqs
         self.lora = lora
         if device.type == "cpu" and dtype == torch.bfloat16:
@@ -94,20 +116,33 @@ class ModelRunner:
         threads = set(thread_counts) | {torch.get_num_threads()}
         # One graph (no adapters' second graph, one thread count) on CPU is saved whole, so a warm start
         # does not trace the model again.
-        key = self._precompile_key(dtype, threads, freezing) if (
-            compile != "off" and lora is None and len(threads) == 1 and device.type == "cpu") else None
+        key = (
+            self._precompile_key(dtype, threads, freezing)
+            if (compile != "off" and lora is None and len(threads) == 1 and device.type == "cpu")
+            else None
+        )
         self.forward: StepForward = build_step_forward(
-            model, compile, lambda fwd: self._warm_up(fwd, thread_counts), device, cuda_graphs, freezing, key)
+            model, compile, lambda fwd: self._warm_up(fwd, thread_counts), device, cuda_graphs, freezing, key
+        )
         if self.forward.mode == "eager" and device.type == "cpu" and dtype == torch.float32:
             use_weight_major_linears(model)  # eager fp32 MKL's x @ W^T is slow at decode-sized batches
 
     def _precompile_key(self, dtype: torch.dtype, threads: set, freezing: bool) -> str:
         """The saved step's key: the model, and this runner's facts its graph depends on."""
-        return precompile_key(self.model, {
-            "dtype": dtype, "device": self.device, "backend": self.attention_backend, "threads": threads,
-            "freezing": freezing, "block_size": self.block_size, "kv_cache": tuple(self.kv_cache.k[0].shape),
-            "int8_kernel": any(getattr(m, "cpu_kernel", False) for m in self.model.modules()),
-            "buffers": {k: tuple(v.shape) for k, v in self.buffers.host.items()}})
+        return precompile_key(
+            self.model,
+            {
+                "dtype": dtype,
+                "device": self.device,
+                "backend": self.attention_backend,
+                "threads": threads,
+                "freezing": freezing,
+                "block_size": self.block_size,
+                "kv_cache": tuple(self.kv_cache.k[0].shape),
+                "int8_kernel": any(getattr(m, "cpu_kernel", False) for m in self.model.modules()),
+                "buffers": {k: tuple(v.shape) for k, v in self.buffers.host.items()},
+            },
+        )
 
     @torch.inference_mode()
     def _warm_up(self, forward: StepForward, thread_counts: Iterable[int]) -> None:
@@ -157,13 +192,17 @@ class ModelRunner:
         np_["positions"][:T] = positions
         np_["slot_mapping"][:T] = slots
         np_["sample_index"][:S] = sample_index
-        token_slots = None if lora_slots is None else [
-            slot for s, slot in zip(scheduled, lora_slots) for _ in range(s.num_new_tokens)]
+        token_slots = (
+            None
+            if lora_slots is None
+            else [slot for s, slot in zip(scheduled, lora_slots) for _ in range(s.num_new_tokens)]
+        )
         logits = self._run(T, len(scheduled), S, token_slots=token_slots)
         return logits.float()
 
-    def _run(self, num_tokens: int, num_seqs: int, num_samples: int, rows: int = 0,
-             token_slots: Optional[List[int]] = None) -> torch.Tensor:
+    def _run(
+        self, num_tokens: int, num_seqs: int, num_samples: int, rows: int = 0, token_slots: Optional[List[int]] = None
+    ) -> torch.Tensor:
         """Pads the filled buffers to the forward's shapes (at least `rows` rows), runs it, returns the
         real rows' logits. token_slots: each token's LoRA slot (-1: base), None when none has one."""
         buf, np_ = self.buffers, self.buffers.np
@@ -171,7 +210,7 @@ class ModelRunner:
         graphs = self.forward.cuda_graphs
         T = padded_rows(max(num_tokens, rows), graphs) if compiled else num_tokens
         S = padded_rows(max(num_samples, rows), graphs) if compiled else max(num_samples, 1)
-        np_["query_start"][num_seqs + 1:] = num_tokens  # trailing sequences have no tokens...
+        np_["query_start"][num_seqs + 1 :] = num_tokens  # trailing sequences have no tokens...
         np_["context_lens"][num_seqs:] = 0  # ...and no context
         np_["input_ids"][num_tokens:T] = 0  # padding rows: token 0 at position 0, written to scratch
         np_["positions"][num_tokens:T] = 0
@@ -185,8 +224,11 @@ class ModelRunner:
             seqs = num_seqs
             width = max((-(-int(c) // self.block_size) for c in np_["context_lens"][:num_seqs]), default=1)
         meta = PagedMetadata(
-            kv_cache=self.kv_cache, slot_mapping=d["slot_mapping"][:T], query_start=d["query_start"][:seqs + 1],
-            context_lens=d["context_lens"][:seqs], block_tables=d["block_tables"][:seqs, :width],
+            kv_cache=self.kv_cache,
+            slot_mapping=d["slot_mapping"][:T],
+            query_start=d["query_start"][: seqs + 1],
+            context_lens=d["context_lens"][:seqs],
+            block_tables=d["block_tables"][:seqs, :width],
             backend=self.attention_backend,
         )
         if self.lora is not None:

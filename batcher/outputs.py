@@ -1,4 +1,5 @@
 """Plain data classes the engine hands to its callers."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

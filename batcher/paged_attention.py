@@ -6,6 +6,7 @@ function, registered with transformers' AttentionInterface, hands each layer's q
 attends over each sequence's cached blocks. The per-step tensors it needs travel in `PagedMetadata`
 through the model's kwargs, built once per step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,7 @@ class KVCache:
     handed to a sequence: padding tokens of a bucketed step write their K/V there (`scratch_slot`).
     """
 
-    def __init__(self, model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         num_layers, num_kv_heads, head_dim = kv_geometry(model_config)
         shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.block_size = block_size
@@ -61,19 +61,36 @@ class PagedMetadata:
     backend: str  # "reference" | "cpu" | "triton" (resolved, never "auto")
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                            scaling: Optional[float] = None, dropout: float = 0.0,
-                            paged_metadata: Optional[PagedMetadata] = None, **kwargs):
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    paged_metadata: Optional[PagedMetadata] = None,
+    **kwargs,
+):
     """query (1, H, T, D), key/value (1, Hkv, T, D) -> (1, T, H, D)."""
     meta = paged_metadata
     if meta is None:
         raise RuntimeError(f"the '{ATTENTION_NAME}' attention needs paged_metadata (run it via ModelRunner)")
     cache = meta.kv_cache
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    args = (query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-            cache.k[module.layer_idx], cache.v[module.layer_idx], meta.slot_mapping, meta.query_start,
-            meta.context_lens, meta.block_tables, cache.block_size, float(scale))
+    args = (
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cache.k[module.layer_idx],
+        cache.v[module.layer_idx],
+        meta.slot_mapping,
+        meta.query_start,
+        meta.context_lens,
+        meta.block_tables,
+        cache.block_size,
+        float(scale),
+    )
     if meta.backend == "cpu" and cpu_kernel.fits(args[0], args[3]):
         out = torch.ops.iterserve_cpu.paged_attention(*args)  # the C++ op itself: no Python per layer
     else:

@@ -14,6 +14,7 @@ never loaded. A file that fails to load, or whose guards reject the warm-up step
 step compiled again (one warning). Used for steps with one graph: on CPU, without LoRA adapters, at
 one thread count (batcher/model_runner.py decides); the rest compile as before.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,9 +27,17 @@ import transformers
 
 _BATCHER = Path(__file__).parent
 # This package's files that shape the traced graph or the ops inside it.
-SOURCES = ("compiled_forward.py", "precompiled_forward.py", "paged_attention.py", "cpu_linear.py",
-           "quantization.py", "attention/op.py", "attention/cpu_kernel.py", "native/paged_attention.cpp",
-           "native/linear.cpp")
+SOURCES = (
+    "compiled_forward.py",
+    "precompiled_forward.py",
+    "paged_attention.py",
+    "cpu_linear.py",
+    "quantization.py",
+    "attention/op.py",
+    "attention/cpu_kernel.py",
+    "native/paged_attention.cpp",
+    "native/linear.cpp",
+)
 
 
 def precompile_key(model: torch.nn.Module, facts: Dict[str, Any]) -> str:
@@ -62,8 +71,11 @@ def serializable_guards(keep: Callable[[list], list]) -> Callable[[list], list]:
     unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
 
     def _filter(entries: list) -> list:
-        return [k and not (g.is_global or g.guard_type in unsupported or unsupported & set(g.derived_guard_types or ()))
-                for k, g in zip(keep(entries), entries)]
+        return [
+            k and not (g.is_global or g.guard_type in unsupported or unsupported & set(g.derived_guard_types or ()))
+            for k, g in zip(keep(entries), entries)
+        ]
+
     return _filter
 
 

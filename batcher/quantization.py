@@ -11,6 +11,7 @@ shapes). Bigger products use the GEMM, on the int8 weights converted to the acti
 int8 values are bf16 values) with the scale applied to the output, or on a tied head's embedding.
 Numbers and quality cost: docs/forward.md.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -40,8 +41,13 @@ class Int8WeightLinear(torch.nn.Module):
     `tied_embedding`: a module whose float `.weight` is the same matrix (the input embedding of a tied
     lm_head), used for products of more than `max_packed_rows` rows."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
-                 tied_embedding: Optional[torch.nn.Module] = None):
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        tied_embedding: Optional[torch.nn.Module] = None,
+    ):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight)
@@ -53,8 +59,9 @@ class Int8WeightLinear(torch.nn.Module):
         self.cpu_kernel = False  # set by batcher.cpu_linear.use_kernel_linears where the C++ kernel runs
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, dtype: torch.dtype,
-                    tied_embedding: Optional[torch.nn.Module] = None) -> "Int8WeightLinear":
+    def from_linear(
+        cls, linear: torch.nn.Linear, dtype: torch.dtype, tied_embedding: Optional[torch.nn.Module] = None
+    ) -> "Int8WeightLinear":
         qweight, scales = quantize_int8(linear.weight, dtype)
         return cls(qweight, scales, linear.bias, tied_embedding)
 
@@ -87,8 +94,12 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
     scales in `dtype`; returns how many. An lm_head tied to the input embedding keeps the embedding
     as its float weight for big products. Call on float32 weights for the most faithful int8 values."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, torch.nn.Linear)]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, torch.nn.Linear)
+    ]
     for parent, name, child in targets:
         tied = embedding if embedding is not None and child.weight is embedding.weight else None
         setattr(parent, name, Int8WeightLinear.from_linear(child, dtype, tied))

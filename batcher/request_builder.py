@@ -1,5 +1,6 @@
 """Caller input -> EngineRequest: the checks, the tokenizing and the grammar compile a request needs
 before it enters the engine. Touches no engine state, so any thread may build requests."""
+
 from __future__ import annotations
 
 import threading
@@ -20,9 +21,19 @@ Prompt = Union[str, List[int]]
 
 
 class RequestBuilder:
-    def __init__(self, model_name: str, tokenizer, detok_tokenizer, vocab_size: int, max_model_len: int,
-                 kv_capacity_tokens: int, eos_token_ids, grammar_compile_timeout_s: float, simulated: bool,
-                 lora: Optional[LoRARuntime] = None):
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer,
+        detok_tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        kv_capacity_tokens: int,
+        eos_token_ids,
+        grammar_compile_timeout_s: float,
+        simulated: bool,
+        lora: Optional[LoRARuntime] = None,
+    ):
         self.model_name = model_name
         self.tokenizer = tokenizer
         self._detok_tokenizer = detok_tokenizer  # the engine thread's own (tokenizers are not thread-safe)
@@ -36,9 +47,15 @@ class RequestBuilder:
         self.grammars: Optional[GrammarCache] = None  # made on the first constrained request
         self._grammars_lock = threading.Lock()
 
-    def build(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-              cache_salt: Optional[str] = None, lora_name: Optional[str] = None,
-              lora_path: Optional[str] = None) -> EngineRequest:
+    def build(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        lora_name: Optional[str] = None,
+        lora_path: Optional[str] = None,
+    ) -> EngineRequest:
         """Validates and tokenizes; loads the LoRA adapter `lora_name` if it is not in memory (from
         `lora_path`, else where the engine's LoRA config says). Requests with different `cache_salt`s
         or adapters never share prefix-cache blocks (batcher.block_hash)."""
@@ -52,11 +69,18 @@ class RequestBuilder:
         needed = len(ids) + params.max_tokens
         for name, limit in (("max_model_len", self.max_model_len), ("the KV cache capacity", self.kv_capacity_tokens)):
             if needed > limit:
-                raise RequestTooLongError(name, needed, limit, f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
+                raise RequestTooLongError(
+                    name, needed, limit, f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}"
+                )
         adapter = self._adapter(lora_name, lora_path)
         lora_id = self._lora.cache_id(adapter) if adapter else None
-        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, cache_root=root_hash(self.model_name, cache_salt, lora_id),
-                       lora_id=lora_id)
+        seq = Sequence(
+            request_id or uuid.uuid4().hex,
+            ids,
+            params,
+            cache_root=root_hash(self.model_name, cache_salt, lora_id),
+            lora_id=lora_id,
+        )
         grammar = self.compile(params.structured_outputs) if params.structured_outputs is not None else None
         return EngineRequest([self.choice(seq)], grammar, adapter)
 
@@ -82,15 +106,20 @@ class RequestBuilder:
     def compile(self, spec: StructuredOutputs):
         """The compiled grammar of `spec` (InvalidRequestError when it cannot compile in time)."""
         if self._simulated:
-            raise InvalidRequestError("structured outputs need a real model: a simulated replica chooses no tokens",
-                                      "structured_outputs")
+            raise InvalidRequestError(
+                "structured outputs need a real model: a simulated replica chooses no tokens", "structured_outputs"
+            )
         with self._grammars_lock:
             if self.grammars is None:
-                self.grammars = GrammarCache(self._detok_tokenizer, self.vocab_size, self._eos_token_ids,
-                                             self._compile_timeout_s)
+                self.grammars = GrammarCache(
+                    self._detok_tokenizer, self.vocab_size, self._eos_token_ids, self._compile_timeout_s
+                )
         return self.grammars.compile(spec)
 
     def choice(self, seq: Sequence) -> EngineChoice:
         """A choice's engine-side state: its detokenizer (stop strings) and logprobs."""
-        return EngineChoice(seq, IncrementalDetokenizer(self._detok_tokenizer, seq.params.stop),
-                            [] if seq.params.logprobs is not None else None)
+        return EngineChoice(
+            seq,
+            IncrementalDetokenizer(self._detok_tokenizer, seq.params.stop),
+            [] if seq.params.logprobs is not None else None,
+        )

@@ -1,5 +1,6 @@
 """Turns logits into tokens: penalties, biases, min_tokens and grammar masks as batched tensors over
 the rows that ask for them, then batched argmax for greedy rows and per-request generators for seeded ones."""
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,9 @@ class Sampler:
         return g
 
     @torch.inference_mode()  # the runner's logits are inference tensors, processed in place
-    def sample(self, logits: torch.Tensor, seqs: List[Sequence],
-               masks: Optional[TokenMasks] = None) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
+    def sample(
+        self, logits: torch.Tensor, seqs: List[Sequence], masks: Optional[TokenMasks] = None
+    ) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
         """logits: (S, vocab) float on any device, one row per sequence in `seqs` (their token ids so
         far are the penalties' history); `masks`: the grammar masks of the constrained rows. Returns
         token ids and, where asked, logprobs."""
@@ -67,8 +69,9 @@ class Sampler:
                 )
         return token_list, logprobs
 
-    def process_logits(self, logits: torch.Tensor, seqs: List[Sequence], masks: Optional[TokenMasks] = None,
-                       in_place: bool = False) -> torch.Tensor:
+    def process_logits(
+        self, logits: torch.Tensor, seqs: List[Sequence], masks: Optional[TokenMasks] = None, in_place: bool = False
+    ) -> torch.Tensor:
         """`logits` itself when no sequence asks for processing (no tensor is built); otherwise the
         logits with the asking rows processed (a new tensor, or `logits` itself when in_place), in vLLM's order: logit_bias, the min_tokens mask,
         repetition penalty, frequency and presence penalties, then the grammar's mask (last, so
@@ -118,6 +121,7 @@ def choice_seed(seed: int, index: int) -> int:
 # Each helper below works in place on `sub` (one row per sequence in `seqs`), only on the rows whose
 # params ask for it, with one scatter or gather per batch: no Python loop over the vocabulary.
 
+
 def _flat_ids(seqs: List[Sequence], which: List[int], ids_of) -> Tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs of `ids_of(seq)` for rows `which`, as two flat long tensors."""
     lists = [ids_of(seqs[r]) for r in which]
@@ -162,8 +166,11 @@ def _repetition_penalty(sub: torch.Tensor, seqs: List[Sequence]) -> None:
 def _frequency_presence_penalties(sub: torch.Tensor, seqs: List[Sequence]) -> None:
     """OpenAI's: logit -= frequency_penalty * count + presence_penalty * (count > 0), counting the
     output tokens only (two subtractions, as vLLM rounds them)."""
-    which = [r for r, s in enumerate(seqs)
-             if (s.params.frequency_penalty or s.params.presence_penalty) and s.num_output_tokens]
+    which = [
+        r
+        for r, s in enumerate(seqs)
+        if (s.params.frequency_penalty or s.params.presence_penalty) and s.num_output_tokens
+    ]
     if not which:
         return
     rows, ids = _flat_ids(seqs, which, lambda s: s.output_token_ids)

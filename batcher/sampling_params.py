@@ -1,4 +1,5 @@
 """Per-request sampling settings, validated at the edge."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Union
@@ -18,8 +19,13 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
-    n: int = Field(1, ge=1, le=MAX_N, description="Choices to generate from the one prompt (prefilled once, "
-                   "then forked); with `seed`, choice i samples with a seed derived from it (choice 0: `seed`).")
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_N,
+        description="Choices to generate from the one prompt (prefilled once, "
+        "then forked); with `seed`, choice i samples with a seed derived from it (choice 0: `seed`).",
+    )
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
@@ -32,22 +38,39 @@ class SamplingParams(BaseModel):
     )
     # Logits processing (batcher.sampler applies it, before temperature, top-k, top-p and greedy argmax).
     presence_penalty: float = Field(
-        0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False,
-        description="Subtracted once from the logit of every token already in the output (OpenAI's).")
+        0.0,
+        ge=PENALTY_RANGE[0],
+        le=PENALTY_RANGE[1],
+        allow_inf_nan=False,
+        description="Subtracted once from the logit of every token already in the output (OpenAI's).",
+    )
     frequency_penalty: float = Field(
-        0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False,
-        description="Subtracted from a token's logit once per time it is in the output (OpenAI's).")
+        0.0,
+        ge=PENALTY_RANGE[0],
+        le=PENALTY_RANGE[1],
+        allow_inf_nan=False,
+        description="Subtracted from a token's logit once per time it is in the output (OpenAI's).",
+    )
     repetition_penalty: float = Field(
-        1.0, gt=0.0, allow_inf_nan=False, description="Tokens of the prompt or output: positive logits divided "
-        "by it, negative ones multiplied (HF's and vLLM's); 1 = off, > 1 discourages repeats.")
+        1.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Tokens of the prompt or output: positive logits divided "
+        "by it, negative ones multiplied (HF's and vLLM's); 1 = off, > 1 discourages repeats.",
+    )
     logit_bias: Dict[int, float] = Field(
-        default_factory=dict, description="Token id -> added to its logit, in [-100, 100] (OpenAI's; string "
-        "keys as JSON sends them are converted).")
+        default_factory=dict,
+        description="Token id -> added to its logit, in [-100, 100] (OpenAI's; string "
+        "keys as JSON sends them are converted).",
+    )
     min_tokens: int = Field(
-        0, ge=0, description="EOS and stop_token_ids cannot be sampled before this many tokens (vLLM's).")
+        0, ge=0, description="EOS and stop_token_ids cannot be sampled before this many tokens (vLLM's)."
+    )
     structured_outputs: Optional[StructuredOutputs] = Field(
-        None, description="The output must match this JSON schema, regex, choice or grammar (vLLM's field; "
-        "batcher.grammar enforces it token by token).")
+        None,
+        description="The output must match this JSON schema, regex, choice or grammar (vLLM's field; "
+        "batcher.grammar enforces it token by token).",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -93,8 +116,13 @@ class SamplingParams(BaseModel):
     @property
     def processes_logits(self) -> bool:
         """Whether any penalty, bias or min_tokens applies: the sampler leaves other rows untouched."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

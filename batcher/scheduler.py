@@ -6,6 +6,7 @@ than what is left of the budget is split across steps (chunked prefill). When th
 the most recently admitted sequence is preempted by recompute and nothing new is admitted that step.
 Static mode: a batch of `static_batch_size` is admitted only when the previous one has fully ended.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -1,4 +1,5 @@
 """One request's state as the scheduler and block manager see it: no tensors, no model."""
+
 from __future__ import annotations
 
 import enum
@@ -50,7 +51,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> List[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -66,6 +67,13 @@ class Sequence:
     def fork(self, index: int) -> "Sequence":
         """Choice `index` of this sequence's request: the same tokens, no blocks yet (the scheduler
         gives it this sequence's blocks, or queues it), what the client is told was cached."""
-        return Sequence(self.request_id, self.prompt_token_ids, self.params, token_ids=list(self.token_ids),
-                        cache_root=self.cache_root, num_cached_tokens=self.num_cached_tokens, index=index,
-                        lora_id=self.lora_id)
+        return Sequence(
+            self.request_id,
+            self.prompt_token_ids,
+            self.params,
+            token_ids=list(self.token_ids),
+            cache_root=self.cache_root,
+            num_cached_tokens=self.num_cached_tokens,
+            index=index,
+            lora_id=self.lora_id,
+        )

@@ -8,6 +8,7 @@ machine; every figure it produces is a simulation and is labelled so.
 
     step time = fixed + prefill tokens x a + decoding sequences x b + context tokens x c
 """
+
 from __future__ import annotations
 
 import time
@@ -34,8 +35,12 @@ class StepTimeModel:
     context_token_s: float  # attention: KV read per token of context, per sequence in the step
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
-        return (self.fixed_s + prefill_tokens * self.prefill_token_s + decode_seqs * self.decode_seq_s
-                + context_tokens * self.context_token_s)
+        return (
+            self.fixed_s
+            + prefill_tokens * self.prefill_token_s
+            + decode_seqs * self.decode_seq_s
+            + context_tokens * self.context_token_s
+        )
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,13 @@ PRESETS: Dict[str, SimPreset] = {
         name="h100-llama3-8b",
         description="Llama-3.1-8B bf16 on one H100 SXM (roofline from published specs)",
         step=StepTimeModel(fixed_s=6.0e-3, prefill_token_s=32e-6, decode_seq_s=40e-6, context_token_s=39e-9),
-        num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
-        kv_cache_memory_gib=54.0, mean_answer_tokens=256,
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        kv_dtype="bfloat16",
+        max_model_len=8192,
+        kv_cache_memory_gib=54.0,
+        mean_answer_tokens=256,
     ),
     # The same model's shape on one H100 SXM 80GB, as THIS engine runs it (its default CUDA path: Triton
     # paged attention, compiled forward replayed as CUDA graphs): measured, not derived. Fitted to 244
@@ -91,8 +101,13 @@ PRESETS: Dict[str, SimPreset] = {
         name="h100-llama3-8b-measured",
         description="Llama-3.1-8B-shaped bf16 on one H100 SXM, this engine's measured steps (random weights)",
         step=StepTimeModel(fixed_s=8.88e-3, prefill_token_s=22.7e-6, decode_seq_s=8.37e-6, context_token_s=168e-9),
-        num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
-        kv_cache_memory_gib=54.0, mean_answer_tokens=256,
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        kv_dtype="bfloat16",
+        max_model_len=8192,
+        kv_cache_memory_gib=54.0,
+        mean_answer_tokens=256,
     ),
     # Llama-3.1-70B-Instruct, bf16, one node of 8 H100 SXM 80GB with tensor parallelism 8, vLLM-like
     # engine: prefill is costly (2.2x the 8B's per token, on 8 GPUs). Roofline from published figures:
@@ -112,8 +127,13 @@ PRESETS: Dict[str, SimPreset] = {
         name="h100x8-llama3-70b",
         description="Llama-3.1-70B bf16 on 8 H100 SXM, TP 8 (roofline from published specs)",
         step=StepTimeModel(fixed_s=10.0e-3, prefill_token_s=45e-6, decode_seq_s=40e-6, context_token_s=12e-9),
-        num_layers=80, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
-        kv_cache_memory_gib=380.0, mean_answer_tokens=256,
+        num_layers=80,
+        num_kv_heads=8,
+        head_dim=128,
+        kv_dtype="bfloat16",
+        max_model_len=8192,
+        kv_cache_memory_gib=380.0,
+        mean_answer_tokens=256,
     ),
     # Qwen2.5-32B-Instruct with FP8 weights (bf16 KV cache) on one H100 SXM 80GB: in bf16 its 65.5 GB
     # of weights would leave ~4 GB for KV, so one GPU serves it in FP8 (vLLM's `quantization: fp8`).
@@ -130,8 +150,13 @@ PRESETS: Dict[str, SimPreset] = {
         name="h100-qwen2.5-32b-fp8",
         description="Qwen2.5-32B FP8 weights on one H100 SXM (roofline from published specs)",
         step=StepTimeModel(fixed_s=11.0e-3, prefill_token_s=66e-6, decode_seq_s=40e-6, context_token_s=78e-9),
-        num_layers=64, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", max_model_len=8192,
-        kv_cache_memory_gib=33.5, mean_answer_tokens=256,
+        num_layers=64,
+        num_kv_heads=8,
+        head_dim=128,
+        kv_dtype="bfloat16",
+        max_model_len=8192,
+        kv_cache_memory_gib=33.5,
+        mean_answer_tokens=256,
     ),
     # SmolLM2-135M-Instruct, fp32, this project's engine on 2 CPU cores (2 torch threads), fitted to
     # 170 step times of the real engine measured here on a quiet machine with
@@ -142,8 +167,13 @@ PRESETS: Dict[str, SimPreset] = {
         name="cpu-smollm2",
         description="SmolLM2-135M fp32 on 2 CPU cores (fitted to this engine's measured steps)",
         step=StepTimeModel(fixed_s=57.5e-3, prefill_token_s=1.5e-3, decode_seq_s=2.13e-3, context_token_s=13.8e-6),
-        num_layers=30, num_kv_heads=3, head_dim=64, kv_dtype="float32", max_model_len=2048,
-        kv_cache_memory_gib=1.0, mean_answer_tokens=64,
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        kv_dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory_gib=1.0,
+        mean_answer_tokens=64,
     ),
 }
 
@@ -154,10 +184,11 @@ def is_simulated(model: str) -> bool:
 
 def preset_for(model: str) -> SimPreset:
     """'sim:<preset>' -> its preset; a clear error naming the known presets otherwise."""
-    name = model[len(SIM_PREFIX):]
+    name = model[len(SIM_PREFIX) :]
     if name not in PRESETS:
-        raise ValueError(f"unknown simulation preset {name!r} in model {model!r}; "
-                         f"known: {', '.join('sim:' + p for p in PRESETS)}")
+        raise ValueError(
+            f"unknown simulation preset {name!r} in model {model!r}; known: {', '.join('sim:' + p for p in PRESETS)}"
+        )
     return PRESETS[name]
 
 
@@ -226,8 +257,9 @@ class SimulatedSampler:
     chosen token gets 0.0 and no alternatives), nor are penalties, logit_bias and min_tokens; structured
     outputs are refused (LLMEngine.make_request), so `masks` is always None."""
 
-    def sample(self, tokens: List[int], seqs: List[Sequence],
-               masks=None) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
+    def sample(
+        self, tokens: List[int], seqs: List[Sequence], masks=None
+    ) -> Tuple[List[int], List[Optional[TokenLogprob]]]:
         return tokens, [TokenLogprob(t, 0.0) if s.params.logprobs is not None else None for t, s in zip(tokens, seqs)]
 
     def forget(self, request_id: str) -> None:

@@ -6,6 +6,7 @@ slot when it first runs and keeps it until it finishes, is preempted or aborted.
 (`EngineConfig.trace_steps = 0`); when on, a step costs one small list, and recording stops after
 `trace_steps` steps so memory stays bounded.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -72,5 +73,8 @@ class OccupancyTrace:
         return busy / (num_slots * len(self.steps)) if self.steps else 0.0
 
     def to_dict(self) -> dict:
-        return {"cell_names": CELL_NAMES, "num_slots": self.num_slots,
-                "steps": [{"cells": s.cells, "waiting": s.waiting} for s in self.steps]}
+        return {
+            "cell_names": CELL_NAMES,
+            "num_slots": self.num_slots,
+            "steps": [{"cells": s.cells, "waiting": s.waiting} for s in self.steps],
+        }

@@ -10,6 +10,7 @@ sleeping) with the queue-depth policy, min 1 / max N replicas, then over HTTP (s
 3. every request is counted: sent, answered in full (all tokens, then [DONE]), failed (with why).
 Prints one JSON object; shuts down the Serve it started there and leaves the cluster running.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,14 @@ def app_config(max_replicas: int, slo_s: float = 1.0, startup_s: float = 10.0) -
         "engine": {"model": "sim:cpu-smollm2", "max_num_seqs": 4, "max_model_len": 512},
         "served_model_name": "sim",
         # Ray's SPREAD is best effort: on a loaded machine it once put all four on the head node.
-        "replica": {"num_cpus": 0, "max_ongoing_requests": 4, "max_queued_requests": -1,
-                    "max_replicas_per_node": 2},
+        "replica": {"num_cpus": 0, "max_ongoing_requests": 4, "max_queued_requests": -1, "max_replicas_per_node": 2},
         "ingress": {"num_cpus": 0},
-        "autoscaling": {"min_replicas": 1, "max_replicas": max_replicas, "metrics_interval_s": 0.5,
-                        "policy_kwargs": {"slo_s": slo_s, "startup_s": startup_s}},
+        "autoscaling": {
+            "min_replicas": 1,
+            "max_replicas": max_replicas,
+            "metrics_interval_s": 0.5,
+            "policy_kwargs": {"slo_s": slo_s, "startup_s": startup_s},
+        },
     }
 
 
@@ -54,8 +58,15 @@ class BurstTraffic:
 
     async def one(self, client: httpx.AsyncClient, i: int) -> None:
         self.counts["sent"] += 1
-        body = {"model": "sim", "prompt": f"request {i}: tell me a story", "max_tokens": MAX_TOKENS,
-                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
+        body = {
+            "model": "sim",
+            "prompt": f"request {i}: tell me a story",
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         try:
             tokens, done = 0, False
             async with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
@@ -97,8 +108,15 @@ def replica_states(app: str) -> tuple:
 
 async def timed_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
     """One streaming completion: seconds to the first token (None if none came), prompt tokens, ok."""
-    body = {"model": "sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": "sim",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     sent, out = time.monotonic(), {"ttft_s": None, "prompt_tokens": None, "ok": False, "latency_s": None}
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -119,8 +137,9 @@ async def timed_request(client: httpx.AsyncClient, url: str, prompt: str, max_to
     return out
 
 
-async def replay_arrivals(url: str, app: str, arrivals_s, prompts, max_tokens: int, until_s: float,
-                          sample_every_s: float = 0.5) -> dict:
+async def replay_arrivals(
+    url: str, app: str, arrivals_s, prompts, max_tokens: int, until_s: float, sample_every_s: float = 0.5
+) -> dict:
     """Sends prompts[i] at arrivals_s[i] (seconds from now, open loop) and samples the replica states
     every sample_every_s until until_s and every request has ended."""
     samples, t0, t0_wall = [], time.monotonic(), time.time()
@@ -141,9 +160,13 @@ async def replay_arrivals(url: str, app: str, arrivals_s, prompts, max_tokens: i
             for task in tasks:
                 task.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
-    return {"samples": samples, "t0_wall": t0_wall, "requests": [r if isinstance(r, dict) else {"ttft_s": None, "ok": False,
-                                                                           "error": type(r).__name__}
-                                             for r in results]}
+    return {
+        "samples": samples,
+        "t0_wall": t0_wall,
+        "requests": [
+            r if isinstance(r, dict) else {"ttft_s": None, "ok": False, "error": type(r).__name__} for r in results
+        ],
+    }
 
 
 def startup_from(samples: List[tuple], default: float) -> tuple:
@@ -166,8 +189,11 @@ def startup_from(samples: List[tuple], default: float) -> tuple:
 def full_step_s(reqs: List[dict], slo_s: float, max_tokens: int) -> Optional[float]:
     """Median seconds per decoded token of requests that queued (TTFT past the SLO: they ran in a
     full replica), i.e. a full replica's step time as measured; None without such requests."""
-    per = [(r["latency_s"] - r["ttft_s"]) / (max_tokens - 1) for r in reqs
-           if r["ok"] and r.get("latency_s") and r["ttft_s"] is not None and r["ttft_s"] > slo_s]
+    per = [
+        (r["latency_s"] - r["ttft_s"]) / (max_tokens - 1)
+        for r in reqs
+        if r["ok"] and r.get("latency_s") and r["ttft_s"] is not None and r["ttft_s"] > slo_s
+    ]
     return float(np.median(per)) if per and max_tokens > 1 else None
 
 
@@ -197,13 +223,17 @@ def replicas(app: str) -> tuple:
     running, starting, _ = replica_states(app)
     # This cluster's address, not auto-detection (which refuses when another Ray runs on the machine).
     address = ray.get_runtime_context().gcs_address
-    nodes = {a.node_id for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
-             if a.class_name == f"ServeReplica:{app}:LLMServer"}
+    nodes = {
+        a.node_id
+        for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
+        if a.class_name == f"ServeReplica:{app}:LLMServer"
+    }
     return running, running + starting, nodes
 
 
-async def scenario(url: str, app: str, clients: int, max_replicas: int, up_timeout_s: float,
-                   down_timeout_s: float) -> dict:
+async def scenario(
+    url: str, app: str, clients: int, max_replicas: int, up_timeout_s: float, down_timeout_s: float
+) -> dict:
     load, out = BurstTraffic(url), {"timeline": []}
     t0 = time.time()
     nodes_seen: set = set()
@@ -228,13 +258,19 @@ async def scenario(url: str, app: str, clients: int, max_replicas: int, up_timeo
             for task in (*burst, tail):
                 task.cancel()
             await asyncio.gather(*burst, tail, return_exceptions=True)
-    out.update(sent=load.counts["sent"], ok=load.counts["ok"], failed=sum(load.errors.values()),
-               errors=dict(load.errors), nodes_with_replicas=len(nodes_seen))
+    out.update(
+        sent=load.counts["sent"],
+        ok=load.counts["ok"],
+        failed=sum(load.errors.values()),
+        errors=dict(load.errors),
+        nodes_with_replicas=len(nodes_seen),
+    )
     return out
 
 
-async def _scale_up_then_down(load: BurstTraffic, out: dict, sample, burst, tail, max_replicas: int,
-                              up_timeout_s: float, down_timeout_s: float) -> None:
+async def _scale_up_then_down(
+    load: BurstTraffic, out: dict, sample, burst, tail, max_replicas: int, up_timeout_s: float, down_timeout_s: float
+) -> None:
     """Burst until max_replicas run, then the light tail until replicas are back to one.
     `seconds_to_max`: until they run; `seconds_to_ask_max`: until Serve was starting them all (the
     policy's decision; the rest is the replicas' start-up, slow on a busy machine)."""
@@ -278,8 +314,9 @@ def main(argv=None) -> int:
     # The cluster named by --address (never one found on the machine); Serve's proxy on the head only.
     with local_serve(address=args.address, proxy_location="HeadOnly", logging_level="ERROR") as server:
         serve.run(build_app(app_config(args.max_replicas)), name=app, route_prefix="/")
-        result = asyncio.run(scenario(server.url, app, args.clients, args.max_replicas,
-                                      args.up_timeout_s, args.down_timeout_s))
+        result = asyncio.run(
+            scenario(server.url, app, args.clients, args.max_replicas, args.up_timeout_s, args.down_timeout_s)
+        )
         result.update(max_replicas=args.max_replicas, clients=args.clients)
     print(json.dumps(result))
     return 0

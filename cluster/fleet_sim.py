@@ -24,12 +24,14 @@ does. A new replica serves `startup_s` after it is asked for (or each its measur
 `startups_s`); a removed one takes no new requests and leaves when its streams are done;
 replica-seconds count from ask to leave. `python -m cluster.sim_check` compares it with real Serve.
 """
+
 from __future__ import annotations
 
 from collections import deque
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
+
 # Private in Ray 2.60, no public equivalent: raw_metrics' point type.
 from ray.serve._private.common import TimeStampedValue
 from ray.serve.config import AutoscalingContext
@@ -44,9 +46,19 @@ TTFT_QUANTILES = (0.125, 0.375, 0.625, 0.875)  # a cohort's first tokens are spr
 
 
 class FleetSim:
-    def __init__(self, trace: Trace, work: SimWorkload, startup_s: float, dt_s: float = 0.25,
-                 slo_s: float = 1.0, control_period_s: float = 1.0, seed: int = 0, slots: int = 4096,
-                 arrivals_s: Optional[np.ndarray] = None, startups_s: Optional[List[float]] = None):
+    def __init__(
+        self,
+        trace: Trace,
+        work: SimWorkload,
+        startup_s: float,
+        dt_s: float = 0.25,
+        slo_s: float = 1.0,
+        control_period_s: float = 1.0,
+        seed: int = 0,
+        slots: int = 4096,
+        arrivals_s: Optional[np.ndarray] = None,
+        startups_s: Optional[List[float]] = None,
+    ):
         """`arrivals_s`: replay these arrival times exactly (a request trace) instead of drawing
         Poisson arrivals at the trace's rate (`trace` still gives the plotted rate). `startups_s`:
         start-ups measured one per replica, given in turn to the replicas asked for (cycling), instead
@@ -133,7 +145,9 @@ class FleetSim:
             # A step costs its prefill tokens plus the rest (fixed, decodes): a prompt is first the
             # end of the step in flight (half of one, on average), then its own and the backlog's
             # prefill tokens, over as many steps as they fill (one at least; not m tokens' worth).
-            rest = step.fixed_s + self._decoding(ready) * (step.decode_seq_s + (w.prompt_tokens + w.mean_output) * step.context_token_s)
+            rest = step.fixed_s + self._decoding(ready) * (
+                step.decode_seq_s + (w.prompt_tokens + w.mean_output) * step.context_token_s
+            )
             in_flight = np.where(self.running[ready] > 0, 0.5 * rest, 0.0)
             for q in TTFT_QUANTILES:
                 tokens = ahead + (q * per + 1) * w.prompt_tokens
@@ -167,7 +181,7 @@ class FleetSim:
         # whose prompts finish in this tick (spread over its prefill steps) for the steps after.
         prefilled, prefill_steps = (b - self.backlog[idx]) / w.prompt_tokens, (b - self.backlog[idx]) / m
         keep = 1.0 - 1.0 / w.mean_output
-        done = dec * (1.0 - keep ** steps) + prefilled * (1.0 - keep ** np.maximum(0.0, steps - prefill_steps / 2))
+        done = dec * (1.0 - keep**steps) + prefilled * (1.0 - keep ** np.maximum(0.0, steps - prefill_steps / 2))
         # A fluid decays forever; requests end. Under LAST_REQUEST of one left in the whole fleet
         # (none queued or to prefill), the last one has ended: else "requests in the system" never
         # reach 0 after a burst. (Fleet-wide: a replica's share of a light load is a small fluid too.)
@@ -220,17 +234,31 @@ class FleetSim:
             return out
 
         return AutoscalingContext(
-            deployment_id=None, deployment_name="LLMServer", app_name="sim", current_num_replicas=len(ready),
-            target_num_replicas=target, running_replicas=ids, total_num_requests=total,
+            deployment_id=None,
+            deployment_name="LLMServer",
+            app_name="sim",
+            current_num_replicas=len(ready),
+            target_num_replicas=target,
+            running_replicas=ids,
+            total_num_requests=total,
             total_queued_requests=queued,
-            aggregated_metrics={"running": dict(zip(ids, running.tolist())), "waiting": dict(zip(ids, waiting.tolist())),
-                                "kv_usage": dict(zip(ids, kv.tolist())),
-                                # What a replica estimates from its step times once it knows its requests' size
-                                # (router.cost_model.StepMeter.capacity): here the step-time model's own.
-                                "capacity": {r: capacity for r, i in zip(ids, ready) if self.finished[i] > 0}},
-            raw_metrics=raw, capacity_adjusted_min_replicas=cfg.min_replicas,
-            capacity_adjusted_max_replicas=cfg.max_replicas, policy_state=dict(policy.state),
-            last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=cfg)
+            aggregated_metrics={
+                "running": dict(zip(ids, running.tolist())),
+                "waiting": dict(zip(ids, waiting.tolist())),
+                "kv_usage": dict(zip(ids, kv.tolist())),
+                # What a replica estimates from its step times once it knows its requests' size
+                # (router.cost_model.StepMeter.capacity): here the step-time model's own.
+                "capacity": {r: capacity for r, i in zip(ids, ready) if self.finished[i] > 0},
+            },
+            raw_metrics=raw,
+            capacity_adjusted_min_replicas=cfg.min_replicas,
+            capacity_adjusted_max_replicas=cfg.max_replicas,
+            policy_state=dict(policy.state),
+            last_scale_up_time=None,
+            last_scale_down_time=None,
+            current_time=now,
+            config=cfg,
+        )
 
     # ---- the run ---------------------------------------------------------------------------------
 
@@ -240,8 +268,13 @@ class FleetSim:
         lo, hi = np.searchsorted(self.arrivals_s, [now, now + self.dt], side="left")
         return float(hi - lo)
 
-    def run(self, policy: Optional[Policy] = None, schedule: Optional[Callable[[float], int]] = None,
-            initial: int = 1, name: str = "") -> Result:
+    def run(
+        self,
+        policy: Optional[Policy] = None,
+        schedule: Optional[Callable[[float], int]] = None,
+        initial: int = 1,
+        name: str = "",
+    ) -> Result:
         """Either a Policy (through Serve's logic) or a schedule: t -> replica count (clairvoyant)."""
         res = Result(name or (policy.name if policy else "schedule"))
         cfg = policy.config if policy else None
@@ -265,8 +298,7 @@ class FleetSim:
             if cfg and now >= next_push:
                 pushed_at, next_push = now, next_push + cfg.metrics_interval_s
             if now >= next_control:
-                target = (policy.decide(self._context(policy, now, pushed_at, target)) if policy
-                          else schedule(now))
+                target = policy.decide(self._context(policy, now, pushed_at, target)) if policy else schedule(now)
                 self._scale_to(target, now)
                 queued = sum(c[1] for c in self.queue)
                 res.t.append(now)

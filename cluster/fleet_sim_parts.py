@@ -1,5 +1,6 @@
 """The fleet simulator's parts around the fleet (cluster/fleet_sim.py): the workload its replicas
 serve, a policy as Serve's controller runs it, and what a run records."""
+
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import ray.serve.autoscaling_policy as serve_policy
+
 # Private in Ray 2.60, no public equivalent: the wrapper (factors, delays, cold start) Serve's
 # controller puts around every policy: the simulation runs Serve's code, not a copy.
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
@@ -32,7 +34,11 @@ class SimWorkload:
     def step(self) -> StepTimeModel:
         s = PRESETS[self.preset].step
         k = self.step_scale
-        return s if k == 1.0 else StepTimeModel(s.fixed_s * k, s.prefill_token_s * k, s.decode_seq_s * k, s.context_token_s * k)
+        return (
+            s
+            if k == 1.0
+            else StepTimeModel(s.fixed_s * k, s.prefill_token_s * k, s.decode_seq_s * k, s.context_token_s * k)
+        )
 
     @property
     def mean_output(self) -> int:
@@ -45,8 +51,9 @@ class SimWorkload:
     def capacity_rps(self, fill: float = 1.0) -> float:
         """Requests per second one replica keeps up with at `fill` of both its limits: max_num_seqs
         running, and max_num_batched_tokens of prefill per step (long prompts fill that one first)."""
-        return capacity_rps(self.step, self.max_num_seqs, self.max_num_batched_tokens, self.prompt_tokens,
-                            self.mean_output, fill)
+        return capacity_rps(
+            self.step, self.max_num_seqs, self.max_num_batched_tokens, self.prompt_tokens, self.mean_output, fill
+        )
 
 
 @dataclass
@@ -117,6 +124,6 @@ def serve_mean(times: np.ndarray, values: np.ndarray, now: float) -> float:
     busy = np.flatnonzero(values)
     if not busy.size:
         return 0.0
-    t, v = times[busy[0]:], values[busy[0]:]
+    t, v = times[busy[0] :], values[busy[0] :]
     held = np.append(t[1:], max(now, t[-1])) - t
     return float(np.dot(v, held) / held.sum()) if held.sum() > 0 else float(v[-1])

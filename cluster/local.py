@@ -10,6 +10,7 @@ so that workers and drivers join without a token. Processes get this checkout on
     python -m cluster.local status                # nodes (alive, resources) and Serve replicas per node
     python -m cluster.local down
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,19 +32,37 @@ PORTS_PER_NODE = 100  # GCS, dashboard, client: base + 0..2; node i (head 0): ba
 def env() -> dict:
     # No drain on SIGTERM: nodes stop only with `down`, the whole cluster at once, so a draining node's
     # replicas have nowhere to go and Ray would wait its drain timeout (30 s) for them.
-    e = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-             RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    e = dict(
+        os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"
+    )
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
     return e
 
 
 def _node_args(base: int) -> List[str]:
-    return ["--node-ip-address", "127.0.0.1", "--node-manager-port", str(base + 1),
-            "--object-manager-port", str(base + 2), "--min-worker-port", str(base + 10),
-            "--max-worker-port", str(base + 99), "--dashboard-agent-listen-port", str(base + 3),
-            "--dashboard-agent-grpc-port", str(base + 4), "--runtime-env-agent-port", str(base + 5),
-            "--metrics-export-port", str(base + 6), "--object-store-memory", str(200 * 2**20),
-            "--disable-usage-stats"]
+    return [
+        "--node-ip-address",
+        "127.0.0.1",
+        "--node-manager-port",
+        str(base + 1),
+        "--object-manager-port",
+        str(base + 2),
+        "--min-worker-port",
+        str(base + 10),
+        "--max-worker-port",
+        str(base + 99),
+        "--dashboard-agent-listen-port",
+        str(base + 3),
+        "--dashboard-agent-grpc-port",
+        str(base + 4),
+        "--runtime-env-agent-port",
+        str(base + 5),
+        "--metrics-export-port",
+        str(base + 6),
+        "--object-store-memory",
+        str(200 * 2**20),
+        "--disable-usage-stats",
+    ]
 
 
 def _start(cmd: List[str], log: Path) -> int:
@@ -57,17 +76,48 @@ def up(workers: int, cpus: float, head_cpus: float, base_port: int, state_dir: P
     if (state_dir / "cluster.json").exists():
         raise SystemExit(f"a cluster is recorded in {state_dir}; run `down` first")
     gcs, dashboard = base_port, base_port + 1
-    info = {"dir": str(state_dir), "address": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dashboard}",
-            "workers": workers, "pgids": []}
-    head = [RAY, "start", "--head", "--block", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
-            "--dashboard-port", str(dashboard), "--ray-client-server-port", str(base_port + 2),
-            "--num-cpus", str(head_cpus), "--temp-dir", str(state_dir), *_node_args(base_port + PORTS_PER_NODE)]
+    info = {
+        "dir": str(state_dir),
+        "address": f"127.0.0.1:{gcs}",
+        "dashboard": f"http://127.0.0.1:{dashboard}",
+        "workers": workers,
+        "pgids": [],
+    }
+    head = [
+        RAY,
+        "start",
+        "--head",
+        "--block",
+        "--port",
+        str(gcs),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dashboard),
+        "--ray-client-server-port",
+        str(base_port + 2),
+        "--num-cpus",
+        str(head_cpus),
+        "--temp-dir",
+        str(state_dir),
+        *_node_args(base_port + PORTS_PER_NODE),
+    ]
     info["pgids"].append(_start(head, state_dir / "head.log"))
     (state_dir / "cluster.json").write_text(json.dumps(info))  # `down` works even if what follows fails
     _wait_nodes(info, 1, timeout_s)
     for i in range(1, workers + 1):
-        cmd = [RAY, "start", "--block", "--address", info["address"], "--num-cpus", str(cpus),
-               "--resources", json.dumps({f"worker-{i}": 1}), *_node_args(base_port + PORTS_PER_NODE * (i + 1))]
+        cmd = [
+            RAY,
+            "start",
+            "--block",
+            "--address",
+            info["address"],
+            "--num-cpus",
+            str(cpus),
+            "--resources",
+            json.dumps({f"worker-{i}": 1}),
+            *_node_args(base_port + PORTS_PER_NODE * (i + 1)),
+        ]
         info["pgids"].append(_start(cmd, state_dir / f"worker-{i}.log"))
         (state_dir / "cluster.json").write_text(json.dumps(info))
         _wait_nodes(info, i + 1, timeout_s)  # one at a time: raylets starting together race for socket names
@@ -129,8 +179,11 @@ def down(state_dir: Path, grace_s: float = 15) -> None:
     for pid in _pids_mentioning(str(state_dir / "session_")):
         _signal(pid, signal.SIGKILL)
     path.unlink()
-    how = (f"ray start killed after {grace_s:.0f} s: {', '.join(stuck)}" if stuck else
-           "every node's ray start exited on SIGTERM") + (f"; {leftovers} leftover processes killed" if leftovers else "")
+    how = (
+        f"ray start killed after {grace_s:.0f} s: {', '.join(stuck)}"
+        if stuck
+        else "every node's ray start exited on SIGTERM"
+    ) + (f"; {leftovers} leftover processes killed" if leftovers else "")
     print(f"stopped the cluster in {state_dir} ({how})")
 
 
@@ -191,8 +244,11 @@ def status(state_dir: Path) -> dict:
     if nodes is None:
         raise SystemExit(f"the cluster's dashboard {info['dashboard']} does not answer; see logs in {state_dir}")
     actors = list_actors(address=info["dashboard"], filters=[("state", "=", "ALIVE")], limit=10000, timeout=30)
-    replicas = [{"name": a.class_name, "node": a.node_id, "state": a.state} for a in actors
-                if a.class_name.startswith("ServeReplica:")]
+    replicas = [
+        {"name": a.class_name, "node": a.node_id, "state": a.state}
+        for a in actors
+        if a.class_name.startswith("ServeReplica:")
+    ]
     return {**info, "nodes": nodes, "replicas": replicas}
 
 
@@ -215,8 +271,10 @@ def main(argv=None) -> int:
         for n in s["nodes"]:
             here = [r for r in s["replicas"] if r["node"] == n["id"]]
             kind = next((k for k in n["resources"] if k.startswith("worker-")), "head")
-            print(f"{n['id'][:12]} {kind:<9} {'alive' if n['alive'] else 'dead':<5} "
-                  f"CPU {n['resources'].get('CPU', 0):g}  replicas: {', '.join(r['name'] for r in here) or '-'}")
+            print(
+                f"{n['id'][:12]} {kind:<9} {'alive' if n['alive'] else 'dead':<5} "
+                f"CPU {n['resources'].get('CPU', 0):g}  replicas: {', '.join(r['name'] for r in here) or '-'}"
+            )
     return 0
 
 

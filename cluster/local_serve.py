@@ -7,6 +7,7 @@ RAY_ADDRESS then): a user's running cluster is never joined, and never shut down
 passed explicitly (`cluster.burst --address`) joins an existing cluster; Serve is started there and
 shut down at the end, and the cluster keeps running.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,9 +61,14 @@ class LocalServe:
 
 
 @contextlib.contextmanager
-def local_serve(num_cpus: Optional[float] = 2, port: Optional[int] = None, metrics_port: Optional[int] = None,
-                address: str = "local", proxy_location: Optional[str] = None,
-                logging_level: Union[int, str, None] = None) -> Iterator[LocalServe]:
+def local_serve(
+    num_cpus: Optional[float] = 2,
+    port: Optional[int] = None,
+    metrics_port: Optional[int] = None,
+    address: str = "local",
+    proxy_location: Optional[str] = None,
+    logging_level: Union[int, str, None] = None,
+) -> Iterator[LocalServe]:
     """Starts Ray (`num_cpus` logical CPUs, no dashboard, workers' logs not echoed) and Serve, yields a
     LocalServe, then shuts down Serve and Ray. `metrics_port`: the node's metrics export port (only
     for a cluster started here). `logging_level`: Ray's driver logging (None: Ray's default)."""

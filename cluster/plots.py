@@ -1,5 +1,6 @@
 """PNGs: one per simulated run (replicas billed, ready and target, and queue depth over time), and
 cluster.sim_check's real and simulated replicas side by side."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,8 +29,10 @@ def plot_run(res: Result, trace: Trace, path: Path, startup_s: float) -> Path:
     for s, e in trace.steady:
         top.axvspan(s / 3600.0, e / 3600.0, color="green", alpha=0.06)
     top.legend(loc="upper left", fontsize=8)
-    top.set_title(f"{res.name}: start-up {startup_s:.0f} s, {res.replica_seconds / 3600:.0f} replica-hours, "
-                  f"TTFT p99 {res.ttft_quantile(0.99):.2f} s (simulated)")
+    top.set_title(
+        f"{res.name}: start-up {startup_s:.0f} s, {res.replica_seconds / 3600:.0f} replica-hours, "
+        f"TTFT p99 {res.ttft_quantile(0.99):.2f} s (simulated)"
+    )
     bottom.plot(t, res.queue, color="tab:red", lw=0.8)
     bottom.set_ylabel("queued requests")
     bottom.set_xlabel("hours (steady spans shaded)")
@@ -48,7 +51,9 @@ def plot_sim_check(real, sim, rate: np.ndarray, verdict: dict, path: Path) -> Pa
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     ax.step(real.t, real.running, where="post", label=f"real Serve: running ({real.within_slo:.0%} in SLO)", lw=1.6)
-    ax.step(sim.t, sim.running, where="post", label=f"fleet_sim: running ({sim.within_slo:.0%} in SLO)", lw=1.2, ls="--")
+    ax.step(
+        sim.t, sim.running, where="post", label=f"fleet_sim: running ({sim.within_slo:.0%} in SLO)", lw=1.2, ls="--"
+    )
     ax.step(real.t, real.asked, where="post", label="real: asked (starting + running)", lw=0.7, alpha=0.6)
     ax.step(sim.t, sim.asked, where="post", label="sim: asked", lw=0.7, alpha=0.6, ls=":")
     ax.set_ylabel("replicas")
@@ -57,8 +62,11 @@ def plot_sim_check(real, sim, rate: np.ndarray, verdict: dict, path: Path) -> Pa
     twin.fill_between(np.arange(len(rate)), rate, color="grey", alpha=0.2, step="post")
     twin.set_ylabel("arrivals / s (10 s bins)")
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(f"sim check: running within +-1 for {verdict['running_within_tolerance']:.0%} of the time, "
-                 f"SLO share gap {verdict['slo_gap_points']:.1f} points (simulated replicas)", fontsize=9)
+    ax.set_title(
+        f"sim check: running within +-1 for {verdict['running_within_tolerance']:.0%} of the time, "
+        f"SLO share gap {verdict['slo_gap_points']:.1f} points (simulated replicas)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -11,6 +11,7 @@ Formats (plain or gzipped, by extension):
   requests that share a block id share that block of their prompt (`block_tokens` tokens each, 512 in
   Mooncake's); `t_s` (seconds) may stand in for `timestamp`.
 """
+
 from __future__ import annotations
 
 import csv
@@ -55,8 +56,14 @@ class RequestTrace:
         idx = np.flatnonzero(keep) if keep.dtype == bool else keep
         hashes = [self.hash_ids[i] for i in idx] if self.hash_ids is not None else None
         t = (self.t_s if t_s is None else t_s)[idx]
-        return replace(self, t_s=t, input_tokens=self.input_tokens[idx], output_tokens=self.output_tokens[idx],
-                       hash_ids=hashes, notes=self.notes + ([note] if note else []))
+        return replace(
+            self,
+            t_s=t,
+            input_tokens=self.input_tokens[idx],
+            output_tokens=self.output_tokens[idx],
+            hash_ids=hashes,
+            notes=self.notes + ([note] if note else []),
+        )
 
     def head(self, n: int) -> "RequestTrace":
         """The first n requests."""
@@ -97,7 +104,7 @@ class RequestTrace:
         lengths = np.minimum(np.diff(starts, append=np.inf), tick)
         t = self.t_s.astype(float).copy()
         for start, i, n, length in zip(starts, first, counts, lengths):
-            t[i:i + n] = start + np.sort(rng.uniform(0.0, length, n))
+            t[i : i + n] = start + np.sort(rng.uniform(0.0, length, n))
         return self._take(np.arange(len(self)), t, f"each {tick:g} s tick's requests spread over it")
 
     def rate_scaled(self, factor: float, seed: int = 0) -> "RequestTrace":
@@ -118,8 +125,14 @@ class RequestTrace:
         if self.hash_ids is not None:
             top = 1 + max((max(h) for h in self.hash_ids if h), default=0)
             hashes = [[b + k * top for b in self.hash_ids[i]] for i, k in zip(idx, nth)]
-        return replace(self, t_s=t, input_tokens=self.input_tokens[idx], output_tokens=self.output_tokens[idx],
-                       hash_ids=hashes, notes=self.notes + [f"rate x{factor:g}"])
+        return replace(
+            self,
+            t_s=t,
+            input_tokens=self.input_tokens[idx],
+            output_tokens=self.output_tokens[idx],
+            hash_ids=hashes,
+            notes=self.notes + [f"rate x{factor:g}"],
+        )
 
     def to_rate(self, bin_s: float = 10.0) -> Trace:
         """Requests per second in `bin_s` bins (a step at each bin's start), for the fleet simulator."""
@@ -135,13 +148,18 @@ class RequestTrace:
     def describe(self) -> dict:
         """Summary figures: length, rate, burstiness (peak bin over mean), token medians."""
         rate = self.to_rate(10.0).rate_rps[::2]
-        return {"name": self.name, "requests": len(self), "duration_s": round(self.duration_s, 1),
-                "mean_rps": float(rate.mean()), "peak_10s_rps": float(rate.max()),
-                "peak_over_mean": float(rate.max() / max(rate.mean(), 1e-9)),
-                "idle_10s_bins": float((rate == 0).mean()),
-                "input_tokens_p50": float(np.median(self.input_tokens)) if len(self) else 0.0,
-                "output_tokens_p50": float(np.median(self.output_tokens)) if len(self) else 0.0,
-                "notes": list(self.notes)}
+        return {
+            "name": self.name,
+            "requests": len(self),
+            "duration_s": round(self.duration_s, 1),
+            "mean_rps": float(rate.mean()),
+            "peak_10s_rps": float(rate.max()),
+            "peak_over_mean": float(rate.max() / max(rate.mean(), 1e-9)),
+            "idle_10s_bins": float((rate == 0).mean()),
+            "input_tokens_p50": float(np.median(self.input_tokens)) if len(self) else 0.0,
+            "output_tokens_p50": float(np.median(self.output_tokens)) if len(self) else 0.0,
+            "notes": list(self.notes),
+        }
 
 
 def _open_text(path: Path) -> io.TextIOBase:
@@ -170,8 +188,14 @@ def _trace(path: Path, t: List[float], inp: List[int], out: List[int], hashes=No
     order = np.argsort(t_arr, kind="stable")
     name = path.name.split(".")[0]
     hash_ids = [hashes[i] for i in order] if hashes is not None else None
-    return RequestTrace(t_arr[order] - t_arr[order][0], np.asarray(inp, dtype=int)[order],
-                        np.asarray(out, dtype=int)[order], hash_ids, block_tokens, name)
+    return RequestTrace(
+        t_arr[order] - t_arr[order][0],
+        np.asarray(inp, dtype=int)[order],
+        np.asarray(out, dtype=int)[order],
+        hash_ids,
+        block_tokens,
+        name,
+    )
 
 
 def load_request_trace(path, block_tokens: int = 512) -> RequestTrace:
@@ -192,8 +216,10 @@ def load_request_trace(path, block_tokens: int = 512) -> RequestTrace:
                     out.append(int(row["output_length"]))
                     hashes.append([int(h) for h in row.get("hash_ids", [])])
                 except (KeyError, TypeError, ValueError) as e:
-                    raise ValueError(f"{path}:{n}: needs timestamp (ms) or t_s, input_length, output_length "
-                                     f"({type(e).__name__}: {e})") from None
+                    raise ValueError(
+                        f"{path}:{n}: needs timestamp (ms) or t_s, input_length, output_length "
+                        f"({type(e).__name__}: {e})"
+                    ) from None
             return _trace(path, t, inp, out, hashes if any(hashes) else None, block_tokens)
         if kind != ".csv":
             raise ValueError(f"{path}: expected .csv or .jsonl (optionally .gz)")
@@ -223,7 +249,7 @@ def write_request_trace(trace: RequestTrace, path) -> Path:
         raise ValueError(f"{path}: CSV has no column for hash_ids; write .jsonl to keep the prefix blocks")
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = zip(trace.t_s.tolist(), trace.input_tokens.tolist(), trace.output_tokens.tolist())
-    with (gzip.open(path, "wt", newline="") if path.suffix == ".gz" else open(path, "w", newline="")) as f:
+    with gzip.open(path, "wt", newline="") if path.suffix == ".gz" else open(path, "w", newline="") as f:
         if kind == ".csv":
             writer = csv.writer(f)
             writer.writerow(["timestamp", "input_tokens", "output_tokens"])
@@ -231,8 +257,11 @@ def write_request_trace(trace: RequestTrace, path) -> Path:
             return path
         for n, (t, i, o) in enumerate(rows):
             ms = t * 1000.0
-            row = {"timestamp": round(ms) if abs(ms - round(ms)) < 1e-6 else ms, "input_length": int(i),
-                   "output_length": int(o)}
+            row = {
+                "timestamp": round(ms) if abs(ms - round(ms)) < 1e-6 else ms,
+                "input_length": int(i),
+                "output_length": int(o),
+            }
             if trace.hash_ids is not None:
                 row["hash_ids"] = [int(h) for h in trace.hash_ids[n]]
             f.write(json.dumps(row) + "\n")
@@ -248,8 +277,9 @@ def bundled(name: str) -> Path:
     return hits[0]
 
 
-def prompt_token_ids(trace: RequestTrace, i: int, token_range: tuple, token_scale: float = 1.0,
-                     seed: int = 0) -> List[int]:
+def prompt_token_ids(
+    trace: RequestTrace, i: int, token_range: tuple, token_scale: float = 1.0, seed: int = 0
+) -> List[int]:
     """Request i's prompt as token ids in [low, high): each prefix block id always becomes the same
     tokens, so requests sharing block ids share that prefix exactly in the engine's tokens (what a
     prefix cache and a prefix-aware router see). Without block ids every prompt is its own.

@@ -16,6 +16,7 @@ All are seeded and deterministic; arrivals are whole milliseconds from the first
 
     python -m cluster.synthetic_traces mmpp --duration-s 3600 --mean-rps 2 --out bursts.csv.gz
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,10 @@ class LongTailLengths:
     def draw(self, rng: np.random.Generator, n: int):
         inp = np.exp(rng.normal(math.log(self.input_median), self.input_sigma, n))
         out = self.output_scale * (rng.random(n) ** (-1.0 / self.output_alpha) - 1.0)
-        return (np.clip(np.ceil(inp), 1, self.input_cap).astype(int),
-                np.clip(np.ceil(out), 1, self.output_cap).astype(int))
+        return (
+            np.clip(np.ceil(inp), 1, self.input_cap).astype(int),
+            np.clip(np.ceil(out), 1, self.output_cap).astype(int),
+        )
 
 
 SESSION_TURN_LENGTHS = LongTailLengths(input_median=200.0, input_sigma=0.8, input_cap=4096)
@@ -70,15 +73,23 @@ def _poisson_in(rng: np.random.Generator, start: float, end: float, rate: float)
     return np.sort(rng.uniform(start, end, rng.poisson(rate * (end - start))))
 
 
-def _thinned(rng: np.random.Generator, rate: Callable[[np.ndarray], np.ndarray], peak: float,
-             duration_s: float) -> np.ndarray:
+def _thinned(
+    rng: np.random.Generator, rate: Callable[[np.ndarray], np.ndarray], peak: float, duration_s: float
+) -> np.ndarray:
     """A Poisson process of time-varying `rate` (never above `peak`), by thinning."""
     t = _poisson_in(rng, 0.0, duration_s, peak)
     return t[rng.random(len(t)) * peak < rate(t)]
 
 
-def on_off_bursts(duration_s: float, mean_rps: float, on_s: float = 10.0, off_s: float = 120.0,
-                  ratio: float = math.inf, seed: int = 0, lengths: LongTailLengths = LongTailLengths()) -> RequestTrace:
+def on_off_bursts(
+    duration_s: float,
+    mean_rps: float,
+    on_s: float = 10.0,
+    off_s: float = 120.0,
+    ratio: float = math.inf,
+    seed: int = 0,
+    lengths: LongTailLengths = LongTailLengths(),
+) -> RequestTrace:
     """MMPP: on/off sojourns exponential with means on_s and off_s; the on rate is `ratio` times the
     off rate (inf: silent when off), chosen so the long-run mean is mean_rps."""
     rng = np.random.default_rng([seed, 1])
@@ -102,22 +113,39 @@ def flash_rate(t, base_rps: float, k: float, at_s: float, rise_s: float, hold_s:
     return base_rps * (1.0 + (k - 1.0) * rise * np.exp(-after / decay_s))
 
 
-def flash_crowd(duration_s: float, base_rps: float, k: float = 10.0, at_s: Optional[float] = None,
-                rise_s: float = 20.0, hold_s: float = 180.0, decay_s: float = 300.0, seed: int = 0,
-                lengths: LongTailLengths = LongTailLengths()) -> RequestTrace:
+def flash_crowd(
+    duration_s: float,
+    base_rps: float,
+    k: float = 10.0,
+    at_s: Optional[float] = None,
+    rise_s: float = 20.0,
+    hold_s: float = 180.0,
+    decay_s: float = 300.0,
+    seed: int = 0,
+    lengths: LongTailLengths = LongTailLengths(),
+) -> RequestTrace:
     """A base rate, then at `at_s` (default: a third of the way in) k times it within rise_s, held
     for hold_s, decaying back with time constant decay_s."""
     rng = np.random.default_rng([seed, 2])
     at = duration_s / 3 if at_s is None else at_s
-    t = _thinned(rng, lambda x: flash_rate(x, base_rps, k, at, rise_s, hold_s, decay_s), base_rps * max(k, 1.0),
-                 duration_s)
-    note = (f"flash crowd {base_rps:g} rps -> x{k:g} at {at:g} s "
-            f"(rise {rise_s:g} s, hold {hold_s:g} s, decay {decay_s:g} s)")
+    t = _thinned(
+        rng, lambda x: flash_rate(x, base_rps, k, at, rise_s, hold_s, decay_s), base_rps * max(k, 1.0), duration_s
+    )
+    note = (
+        f"flash crowd {base_rps:g} rps -> x{k:g} at {at:g} s "
+        f"(rise {rise_s:g} s, hold {hold_s:g} s, decay {decay_s:g} s)"
+    )
     return _trace(t, lengths, rng, "flash", note)
 
 
-def diurnal(duration_s: float, mean_rps: float, peak_over_trough: float = 4.0, days: float = 1.0, seed: int = 0,
-            lengths: LongTailLengths = LongTailLengths()) -> RequestTrace:
+def diurnal(
+    duration_s: float,
+    mean_rps: float,
+    peak_over_trough: float = 4.0,
+    days: float = 1.0,
+    seed: int = 0,
+    lengths: LongTailLengths = LongTailLengths(),
+) -> RequestTrace:
     """`days` sinusoidal days in the duration, from a trough, peak/trough as given, mean mean_rps."""
     rng = np.random.default_rng([seed, 3])
     a = (peak_over_trough - 1.0) / (peak_over_trough + 1.0)
@@ -131,9 +159,18 @@ def diurnal(duration_s: float, mean_rps: float, peak_over_trough: float = 4.0, d
     return _trace(t, lengths, rng, "diurnal", note)
 
 
-def sessions(duration_s: float, mean_rps: float, num_prefixes: int = 4, prefix_tokens: int = 2048,
-             mean_turns: float = 4.0, think_s: float = 30.0, max_input_tokens: int = 32768, block_tokens: int = 512,
-             seed: int = 0, lengths: LongTailLengths = SESSION_TURN_LENGTHS) -> RequestTrace:
+def sessions(
+    duration_s: float,
+    mean_rps: float,
+    num_prefixes: int = 4,
+    prefix_tokens: int = 2048,
+    mean_turns: float = 4.0,
+    think_s: float = 30.0,
+    max_input_tokens: int = 32768,
+    block_tokens: int = 512,
+    seed: int = 0,
+    lengths: LongTailLengths = SESSION_TURN_LENGTHS,
+) -> RequestTrace:
     """Multi-turn sessions starting as Poisson (mean_rps / mean_turns per s), each over one of
     `num_prefixes` system prompts (Zipf-popular) of `prefix_tokens` tokens; turns geometric (mean
     mean_turns), think times exponential (mean think_s); `lengths` draws each user turn and answer.
@@ -171,17 +208,31 @@ def sessions(duration_s: float, mean_rps: float, num_prefixes: int = 4, prefix_t
     if not t_s:
         raise ValueError("sessions: no arrivals in the duration; raise the rate or the duration")
     order = np.argsort(np.asarray(t_s), kind="stable")
-    note = (f"sessions mean {mean_rps:g} rps, {num_prefixes} system prompts of {prefix_len} tokens, "
-            f"{mean_turns:g} turns, think {think_s:g} s")
-    return RequestTrace(_whole_ms(np.asarray(t_s)[order]), np.asarray(inp)[order], np.asarray(out)[order],
-                        [hashes[i] for i in order], block_tokens, "sessions", [note])
+    note = (
+        f"sessions mean {mean_rps:g} rps, {num_prefixes} system prompts of {prefix_len} tokens, "
+        f"{mean_turns:g} turns, think {think_s:g} s"
+    )
+    return RequestTrace(
+        _whole_ms(np.asarray(t_s)[order]),
+        np.asarray(inp)[order],
+        np.asarray(out)[order],
+        [hashes[i] for i in order],
+        block_tokens,
+        "sessions",
+        [note],
+    )
 
 
 def _lengths(args) -> LongTailLengths:
     base = SESSION_TURN_LENGTHS if args.shape == "sessions" else LongTailLengths()
-    return LongTailLengths(args.input_median or base.input_median, args.input_sigma or base.input_sigma,
-                           args.input_cap or base.input_cap, args.output_scale or base.output_scale,
-                           args.output_alpha or base.output_alpha, args.output_cap or base.output_cap)
+    return LongTailLengths(
+        args.input_median or base.input_median,
+        args.input_sigma or base.input_sigma,
+        args.input_cap or base.input_cap,
+        args.output_scale or base.output_scale,
+        args.output_alpha or base.output_alpha,
+        args.output_cap or base.output_cap,
+    )
 
 
 def generate(args) -> RequestTrace:
@@ -189,12 +240,22 @@ def generate(args) -> RequestTrace:
     if args.shape == "mmpp":
         return on_off_bursts(args.duration_s, args.mean_rps, args.on_s, args.off_s, args.ratio, **common)
     if args.shape == "flash":
-        return flash_crowd(args.duration_s, args.mean_rps, args.k, args.at_s, args.rise_s, args.hold_s,
-                           args.decay_s, **common)
+        return flash_crowd(
+            args.duration_s, args.mean_rps, args.k, args.at_s, args.rise_s, args.hold_s, args.decay_s, **common
+        )
     if args.shape == "diurnal":
         return diurnal(args.duration_s, args.mean_rps, args.peak_over_trough, args.days, **common)
-    return sessions(args.duration_s, args.mean_rps, args.num_prefixes, args.prefix_tokens, args.mean_turns,
-                    args.think_s, args.max_input_tokens, args.block_tokens, **common)
+    return sessions(
+        args.duration_s,
+        args.mean_rps,
+        args.num_prefixes,
+        args.prefix_tokens,
+        args.mean_turns,
+        args.think_s,
+        args.max_input_tokens,
+        args.block_tokens,
+        **common,
+    )
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -225,8 +286,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--max-input-tokens", type=int, default=32768)
     g.add_argument("--block-tokens", type=int, default=512)
     g = p.add_argument_group("lengths (default: prompts median 1000, sessions' turns median 200)")
-    for name, kind in (("input-median", float), ("input-sigma", float), ("input-cap", int),
-                       ("output-scale", float), ("output-alpha", float), ("output-cap", int)):
+    for name, kind in (
+        ("input-median", float),
+        ("input-sigma", float),
+        ("input-cap", int),
+        ("output-scale", float),
+        ("output-alpha", float),
+        ("output-cap", int),
+    ):
         g.add_argument(f"--{name}", type=kind)
     return p.parse_args(argv)
 

@@ -1,4 +1,5 @@
 """Request-rate traces: `t_s,rate_rps` CSV files and the built-in day-shaped trace with bursts."""
+
 from __future__ import annotations
 
 import csv
@@ -68,7 +69,7 @@ def steady_spans(trace: Trace, window_s: float = 600.0, tolerance: float = 0.1) 
     for i in range(1, len(grid) + 1):
         seg = rate[start:i]
         mean = seg.mean() if seg.size else 0.0
-        if i == len(grid) or (mean > 0 and np.abs(rate[start:i + 1] - mean).max() > tolerance * mean):
+        if i == len(grid) or (mean > 0 and np.abs(rate[start : i + 1] - mean).max() > tolerance * mean):
             if grid[min(i, len(grid) - 1)] - grid[start] >= window_s:
                 spans.append((float(grid[start]), float(grid[min(i, len(grid) - 1)])))
             start = i
@@ -82,16 +83,32 @@ def day_trace(peak_rps: float = 3000.0, hours: float = 4.0) -> Trace:
     day = 24 * 3600.0
     k = hours * 3600.0 / day  # trace seconds per day second
     shape = [  # (hour of day, share of peak)
-        (0, 0.10), (3, 0.08), (5, 0.08), (7, 0.35), (9, 0.80), (10, 0.90), (13, 0.90), (14, 0.70),
-        (16, 0.70), (18, 0.95), (20, 1.00), (22, 0.40), (24, 0.10)]
+        (0, 0.10),
+        (3, 0.08),
+        (5, 0.08),
+        (7, 0.35),
+        (9, 0.80),
+        (10, 0.90),
+        (13, 0.90),
+        (14, 0.70),
+        (16, 0.70),
+        (18, 0.95),
+        (20, 1.00),
+        (22, 0.40),
+        (24, 0.10),
+    ]
     t = [h * 3600 * k for h, _ in shape]
     r = [s * peak_rps for _, s in shape]
     trace = Trace(np.array(t), np.array(r), "day")
 
     def bump(t0: float, rise: float, hold: float, factor: float):
         base = trace.rate([t0, t0 + rise + hold + rise])
-        pts = [(t0, base[0]), (t0 + rise, base[0] * factor), (t0 + rise + hold, base[1] * factor),
-               (t0 + 2 * rise + hold, base[1])]
+        pts = [
+            (t0, base[0]),
+            (t0 + rise, base[0] * factor),
+            (t0 + rise + hold, base[1] * factor),
+            (t0 + 2 * rise + hold, base[1]),
+        ]
         keep = (trace.t_s < t0) | (trace.t_s > t0 + 2 * rise + hold)
         tt = np.concatenate([trace.t_s[keep], [p[0] for p in pts]])
         rr = np.concatenate([trace.rate_rps[keep], [p[1] for p in pts]])
@@ -99,8 +116,8 @@ def day_trace(peak_rps: float = 3000.0, hours: float = 4.0) -> Trace:
         trace.t_s, trace.rate_rps = tt[order], rr[order]
 
     b = min(1.0, hours / 4.0)  # burst lengths as in the 4-hour day, shorter in shorter ones
-    bump(7.5 * 3600 * k, 10.0 * b, 180.0 * b, 2.5)    # flash crowd on the morning ramp
-    bump(15.0 * 3600 * k, 5.0 * b, 60.0 * b, 2.0)     # short spike in the afternoon
+    bump(7.5 * 3600 * k, 10.0 * b, 180.0 * b, 2.5)  # flash crowd on the morning ramp
+    bump(15.0 * 3600 * k, 5.0 * b, 60.0 * b, 2.0)  # short spike in the afternoon
     bump(16.5 * 3600 * k, 30.0 * b, 1200.0 * b, 1.4)  # a step up that holds
     trace.steady = [(3 * 3600 * k, 5 * 3600 * k), (10 * 3600 * k, 13 * 3600 * k)]
     return trace

@@ -7,6 +7,7 @@ so the forms cannot collide. Adapters are the engine's static ones (`engine.lora
 registered through /v1/load_lora_adapter, and, where `engine.lora.dynamic_lora_loading_path` is set,
 any name found there (the replica looks; the ingress cannot always tell). Plain data, no Ray: unit-tested.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,9 +29,13 @@ BASE = ResolvedModel()
 
 
 def adapter_not_found(name: str, base: str) -> APIError:
-    return APIError(404, f"The model `{clip(name)}` does not exist: it is neither `{base}` nor one of its LoRA "
-                    "adapters (GET /v1/models lists them; POST /v1/load_lora_adapter adds one).",
-                    param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"The model `{clip(name)}` does not exist: it is neither `{base}` nor one of its LoRA "
+        "adapters (GET /v1/models lists them; POST /v1/load_lora_adapter adds one).",
+        param="model",
+        code="model_not_found",
+    )
 
 
 class AdapterRegistry:
@@ -79,8 +84,9 @@ class AdapterRegistry:
 
     def check_enabled(self) -> None:
         if not self.enabled:
-            raise APIError(400, "this deployment serves no LoRA adapters: set `engine.lora` in its config",
-                           param="lora_name")
+            raise APIError(
+                400, "this deployment serves no LoRA adapters: set `engine.lora` in its config", param="lora_name"
+            )
 
     def register(self, name: str, path: str) -> None:
         self.registered[name] = path

@@ -2,6 +2,7 @@
 
 serve_config.yaml points its `import_path` here and passes AppConfig's fields as `args`.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -63,8 +64,10 @@ def llm_deployment_options(cfg: AppConfig) -> dict:
         # A leaving replica finishes its streams first (scale-down and redeploys lose nothing).
         "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s,
         "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s
-        or _check(lambda: graceful_timeout_s(cfg.engine, r.shutdown_token_s, r.graceful_shutdown_wait_loop_s),
-                  "args.engine.max_model_len"),
+        or _check(
+            lambda: graceful_timeout_s(cfg.engine, r.shutdown_token_s, r.graceful_shutdown_wait_loop_s),
+            "args.engine.max_model_len",
+        ),
         "request_router_config": request_router_config(cfg),
     }
     if cfg.autoscaling is not None:
@@ -84,11 +87,17 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig:
     router = _check(lambda: RequestRouterConfig(**cfg.router.to_serve()), "args.router.request_router_class")
     if cfg.router.request_router_class and issubclass(router.get_request_router_class(), LLMRouter):
         e = cfg.engine
-        shape = {"model": e.model, "block_size": e.block_size, "max_num_batched_tokens": e.max_num_batched_tokens,
-                 "max_num_seqs": e.max_num_seqs}
+        shape = {
+            "model": e.model,
+            "block_size": e.block_size,
+            "max_num_batched_tokens": e.max_num_batched_tokens,
+            "max_num_seqs": e.max_num_seqs,
+        }
         for key in shape.keys() & cfg.router.request_router_kwargs.keys():
-            raise ConfigError(f"invalid iterserve config at `args.router.request_router_kwargs.{key}`: "
-                              f"set from `args.engine.{key}`, so the router hashes blocks as replicas cache them")
+            raise ConfigError(
+                f"invalid iterserve config at `args.router.request_router_kwargs.{key}`: "
+                f"set from `args.engine.{key}`, so the router hashes blocks as replicas cache them"
+            )
         kwargs = {"cost_model": default_cost_model(cfg), **cfg.router.request_router_kwargs, **shape}
         kwargs = _check(lambda: LLMRouterConfig.model_validate(kwargs), "args.router.request_router_kwargs")
         router.request_router_kwargs = kwargs.model_dump()
@@ -119,8 +128,10 @@ def metric_push_env(cfg: AppConfig) -> dict:
     if cfg.autoscaling is None:
         return {}
     interval = str(cfg.autoscaling.metrics_interval_s)
-    return {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": interval,
-            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": interval}
+    return {
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": interval,
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": interval,
+    }
 
 
 def ingress_env(cfg: AppConfig) -> dict:
@@ -142,14 +153,16 @@ def build_app(args: dict) -> Application:
     # The replicas' step-time prior is LLMRouter's (validated above), so both read measurements alike.
     router = llm_options["request_router_config"]
     cost_model = router.request_router_kwargs.get("cost_model") or default_cost_model(cfg)
-    llm = LLMServer.options(**llm_options).bind(cfg.engine.model_dump(), cfg.model_name, cfg.stream.model_dump(),
-                                                cost_model, eviction_stride(router))
+    llm = LLMServer.options(**llm_options).bind(
+        cfg.engine.model_dump(), cfg.model_name, cfg.stream.model_dump(), cost_model, eviction_stride(router)
+    )
     # The ingress relays every stream, so a leaving ingress replica (a redeploy replaces it too) waits
     # as long as the LLM replicas do: Serve's 20 s default would cut longer streams.
     shutdown = {k: llm_options[k] for k in ("graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s")}
     ing = cfg.ingress
     ingress = OpenAIIngress.options(
-        num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
+        num_replicas=ing.num_replicas,
+        max_ongoing_requests=ing.max_ongoing_requests,
         ray_actor_options={"num_cpus": ing.num_cpus, **_runtime_env(ingress_env(cfg))},
         **shutdown,
     )

@@ -4,6 +4,7 @@ Keys come from an env var (comma-separated) and/or a file (one per line) named i
 once when the ingress starts. They are compared in constant time and never logged, echoed in an
 error, or shown by a repr.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -54,19 +55,23 @@ def load_api_keys(env_name: Optional[str], key_file: Optional[str]) -> Optional[
         if not value.strip():
             raise APIKeyConfigError(
                 f"ingress.api_keys_env names the env var {env_name}, which is unset or empty in the ingress "
-                "process: set it there (serve_config runtime_env.env_vars) or drop api_keys_env")
+                "process: set it there (serve_config runtime_env.env_vars) or drop api_keys_env"
+            )
         keys += [k.strip() for k in value.split(",")]
     if key_file is not None:
         try:
             keys += [line.strip() for line in Path(key_file).read_text().splitlines()]
         except (OSError, UnicodeDecodeError) as e:
-            raise APIKeyConfigError(f"ingress.api_key_file {key_file!r} cannot be read: "
-                                    f"{type(e).__name__}: {e.strerror if isinstance(e, OSError) else 'not UTF-8'}"
-                                    ) from None
+            raise APIKeyConfigError(
+                f"ingress.api_key_file {key_file!r} cannot be read: "
+                f"{type(e).__name__}: {e.strerror if isinstance(e, OSError) else 'not UTF-8'}"
+            ) from None
     keys = [k for k in keys if k]
     if not keys:
-        raise APIKeyConfigError("API keys are configured (ingress.api_keys_env / ingress.api_key_file) "
-                                "but none was found: refusing to serve without them")
+        raise APIKeyConfigError(
+            "API keys are configured (ingress.api_keys_env / ingress.api_key_file) "
+            "but none was found: refusing to serve without them"
+        )
     return APIKeys(keys)
 
 
@@ -92,7 +97,7 @@ def _route_path(scope: Scope) -> str:
     """The path below the application's route prefix (Serve puts the prefix in root_path)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
     if root and path.startswith(root):
-        return path[len(root):] or "/"
+        return path[len(root) :] or "/"
     return path
 
 

@@ -41,6 +41,7 @@ measured); the rest is measured from the replicas or derived from those two (doc
     up        at once, except by less than sqrt(n) / 2 with nothing queued and no ramp adding a
               replica (noise too)
 """
+
 from __future__ import annotations
 
 import math
@@ -80,9 +81,19 @@ YOUNG_HOLD = 10.0
 FULL_SHARE = 0.9  # with requests queued at the handles, a replica running this share of its slots is full
 
 # Knob names of the 13-knob version: named in the error so a stale config says what replaced it.
-REMOVED_KNOBS = ("target_running", "max_queue_wait_s", "queue_drain_s", "warmup_s", "growth_lead", "kv_high",
-                 "downscale_headroom", "downscale_dwell_s", "downscale_step_s", "reversal_guard_s",
-                 "scale_to_zero_dwell_s")
+REMOVED_KNOBS = (
+    "target_running",
+    "max_queue_wait_s",
+    "queue_drain_s",
+    "warmup_s",
+    "growth_lead",
+    "kv_high",
+    "downscale_headroom",
+    "downscale_dwell_s",
+    "downscale_step_s",
+    "reversal_guard_s",
+    "scale_to_zero_dwell_s",
+)
 _S = "iterserve"  # policy_state keys: one dict under this name
 
 
@@ -92,16 +103,17 @@ class QueueDepthPolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     slo_s: float = Field(1.0, gt=0, description="Time-to-first-token SLO the fleet is sized for.")
-    startup_s: float = Field(
-        30.0, gt=0, description="Replica start-up (ask to running) used until one is measured.")
+    startup_s: float = Field(30.0, gt=0, description="Replica start-up (ask to running) used until one is measured.")
 
     @model_validator(mode="before")
     @classmethod
     def _removed_knobs(cls, data: Any) -> Any:
         old = sorted(set(data) & set(REMOVED_KNOBS)) if isinstance(data, dict) else []
         if old:
-            raise ValueError(f"{', '.join(old)}: removed; the policy takes only slo_s and startup_s "
-                             "(the rest is measured or derived, docs/autoscaling.md)")
+            raise ValueError(
+                f"{', '.join(old)}: removed; the policy takes only slo_s and startup_s "
+                "(the rest is measured or derived, docs/autoscaling.md)"
+            )
         return data
 
 
@@ -153,10 +165,14 @@ class QueueDepthPolicy:
         # Full replicas: their completion rate is what a replica can do (mu); their running count
         # is its slots.
         slots = self.replica_slots or s.get("slots")
-        full = [r for r in ctx.running_replicas
-                if waiting.get(r, 0.0) > 0 or kv.get(r, 0.0) >= KV_FULL
-                or (rate_per_s(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0
-                or (handle_queued > 0 and running.get(r, 0.0) >= FULL_SHARE * (slots or 0.0))]
+        full = [
+            r
+            for r in ctx.running_replicas
+            if waiting.get(r, 0.0) > 0
+            or kv.get(r, 0.0) >= KV_FULL
+            or (rate_per_s(raw.get(PREEMPTIONS, {}).get(r)) or 0.0) > 0
+            or (handle_queued > 0 and running.get(r, 0.0) >= FULL_SHARE * (slots or 0.0))
+        ]
         # A replica's completions lag its admissions by a request's latency (Little: running / rate):
         # until it has been full that long plus a look-back, its rate is a ramp into the load, not a
         # full replica's (counted from the replica's start instead, a replica that turned full a
@@ -167,10 +183,19 @@ class QueueDepthPolicy:
             full_since.setdefault(r, now - 1e9 if first else now)
         s["full_since"] = full_since
         look_back = ctx.config.look_back_period_s if ctx.config else 30.0
-        settled = {r for r, x in rates.items()
-                   if x > 0 and r in full_since and now - full_since[r] >= look_back + running.get(r, 0.0) / x}
-        self._measure(s, now, startup, look_back, [rates[r] for r in full if r in settled],
-                      [running.get(r, 0.0) for r in full] if handle_queued > 0 else [])
+        settled = {
+            r
+            for r, x in rates.items()
+            if x > 0 and r in full_since and now - full_since[r] >= look_back + running.get(r, 0.0) / x
+        }
+        self._measure(
+            s,
+            now,
+            startup,
+            look_back,
+            [rates[r] for r in full if r in settled],
+            [running.get(r, 0.0) for r in full] if handle_queued > 0 else [],
+        )
         mu = s.get("mu") or s.get("capacity") or s.get("mu_floor")
         slots = self.replica_slots or s.get("slots")
 
@@ -201,9 +226,16 @@ class QueueDepthPolicy:
             # The arrival estimate (completions + growth) dips while a backlog drains and replicas
             # leave, and the rate itself dips for a bucket or two: a drop counts once the last
             # DROP_BUCKETS whole buckets saw it too.
-            seen = max([arrivals] + [b[1] for b in s["memory"][-DROP_BUCKETS - 1:-1]])
-            desired = max(desired, min(target, self._need((seen + demand_memory.trend(s, startup)) * DOWN_HEADROOM,
-                                                           load * DOWN_HEADROOM, mu, slots)))
+            seen = max([arrivals] + [b[1] for b in s["memory"][-DROP_BUCKETS - 1 : -1]])
+            desired = max(
+                desired,
+                min(
+                    target,
+                    self._need(
+                        (seen + demand_memory.trend(s, startup)) * DOWN_HEADROOM, load * DOWN_HEADROOM, mu, slots
+                    ),
+                ),
+            )
             desired = max(desired, self._kept(s, now, startup, target, mu, slots))
             if target - desired < noise and desired > target / 2:  # halving the fleet is never noise
                 desired = target
@@ -231,8 +263,9 @@ class QueueDepthPolicy:
         return n
 
     @staticmethod
-    def _measure(s: dict, now: float, startup: float, look_back: float, full_rates: List[float],
-                 full_running: List[float]) -> None:
+    def _measure(
+        s: dict, now: float, startup: float, look_back: float, full_rates: List[float], full_running: List[float]
+    ) -> None:
         """mu: the median completion rate of full replicas, averaged over about a start-up of their
         full seconds (a replica that turns full mid-window reads low, one that drains a backlog of
         prefilled requests high)."""

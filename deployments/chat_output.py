@@ -5,12 +5,21 @@ and are read back as such; `auto` is read by the configured parser for the model
 (deployments.tool_parsers). Streams give the same calls as whole answers: arguments arrive in pieces,
 as OpenAI's do.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Tuple
 
-from deployments.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                         ChatDelta, ChatLogprobs, ChatMessageOut, StreamUsage)
+from deployments.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    StreamUsage,
+)
 from deployments.protocol import GeneratedChoice, GenerateChunk
 from deployments.tool_calls import NamedToolChoice, effective_tool_choice
 from deployments.tool_json import StreamPiece
@@ -48,8 +57,12 @@ class ChatOutput:
 
     def choice_of(self, out: GeneratedChoice) -> ChatChoice:
         message, finish = self.message(out)
-        return ChatChoice(index=out.index, message=message, finish_reason=finish,
-                          logprobs=ChatLogprobs.of(out.logprobs) if out.logprobs is not None else None)
+        return ChatChoice(
+            index=out.index,
+            message=message,
+            finish_reason=finish,
+            logprobs=ChatLogprobs.of(out.logprobs) if out.logprobs is not None else None,
+        )
 
     def streamer(self):
         """Per choice: feed(text) / finish() -> StreamPiece, or None for plain content."""
@@ -79,19 +92,31 @@ def chat_events(body: ChatCompletionRequest, output: ChatOutput, make: Callable[
                 piece = StreamPiece(piece.content + rest.content, piece.tool_calls + rest.tool_calls)
         called[chunk.index] = called.get(chunk.index, False) or bool(piece.tool_calls)
         if piece.content or piece.tool_calls or chunk.finish_reason or chunk.token_ids:
-            delta = ChatDelta(content=piece.content if piece.content or not piece.tool_calls else None,
-                              tool_calls=piece.tool_calls or None)
+            delta = ChatDelta(
+                content=piece.content if piece.content or not piece.tool_calls else None,
+                tool_calls=piece.tool_calls or None,
+            )
             lps = ChatLogprobs.of(chunk.logprobs) if chunk.logprobs else None
-            out += sse(make([ChatChunkChoice(index=chunk.index, delta=delta, logprobs=lps,
-                                              finish_reason=_finish(chunk.finish_reason, called[chunk.index]))]))
+            out += sse(
+                make(
+                    [
+                        ChatChunkChoice(
+                            index=chunk.index,
+                            delta=delta,
+                            logprobs=lps,
+                            finish_reason=_finish(chunk.finish_reason, called[chunk.index]),
+                        )
+                    ]
+                )
+            )
         total = usage.add(chunk)
         if total is not None and body.include_usage:
             out += sse(make([], total))
         return out
+
     return events
 
 
 def _finish(reason: Optional[str], called: bool) -> Optional[str]:
     """OpenAI ends an answer that called tools with "tool_calls" (a cut-short one stays "length")."""
     return "tool_calls" if called and reason == "stop" else reason
-

@@ -1,5 +1,6 @@
 """Groups a request's token deltas into fewer chunks: every chunk that crosses Serve costs a Ray
 message, so under load we send what accumulated in a short window, but never delay the first."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,9 @@ from typing import AsyncIterator, Callable, List, TypeVar, Union
 T = TypeVar("T")
 
 
-async def coalesce(deltas: AsyncIterator[T], interval_s: Union[float, Callable[[], float]],
-                   is_last=lambda d: False) -> AsyncIterator[List[T]]:
+async def coalesce(
+    deltas: AsyncIterator[T], interval_s: Union[float, Callable[[], float]], is_last=lambda d: False
+) -> AsyncIterator[List[T]]:
     """Yields lists of deltas: the first delta alone and at once; later ones are held until
     `interval_s` (a number, or a function read at each chunk) has passed since the previous yield;
     a delta arriving later than that goes out at once. Closing this generator closes `deltas`

@@ -3,6 +3,7 @@
 Every model forbids unknown keys, so a typo in serve_config.yaml fails at deploy time with a
 message that names the field (pydantic's `loc`), instead of being silently ignored.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional
@@ -21,14 +22,16 @@ class ReplicaConfig(BaseModel):
     model_config = _STRICT
 
     num_replicas: int = Field(1, ge=1, description="Fixed replica count (ignored when autoscaling is set).")
-    num_cpus: float = Field(
-        0.0, ge=0, description="Logical CPUs Ray reserves; 0 lets replicas share a small machine."
-    )
+    num_cpus: float = Field(0.0, ge=0, description="Logical CPUs Ray reserves; 0 lets replicas share a small machine.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (1 for the CUDA variant).")
     memory_gib: Optional[float] = Field(None, gt=0, description="Memory Ray reserves per replica.")
     max_replicas_per_node: Optional[int] = Field(
-        None, ge=1, le=100, description="At most this many replicas on one node (a node's loss takes no "
-        "more); None: Serve spreads them as best it can.")
+        None,
+        ge=1,
+        le=100,
+        description="At most this many replicas on one node (a node's loss takes no "
+        "more); None: Serve spreads them as best it can.",
+    )
     max_ongoing_requests: int = Field(
         128, ge=1, description="Requests in flight per replica; beyond it they queue at the caller."
     )
@@ -38,13 +41,20 @@ class ReplicaConfig(BaseModel):
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
     graceful_shutdown_timeout_s: Optional[float] = Field(
-        None, gt=0, description="Seconds a leaving replica (scale-down, redeploy) may take to finish its "
-        "in-flight streams; None: sized from max_model_len x shutdown_token_s.")
+        None,
+        gt=0,
+        description="Seconds a leaving replica (scale-down, redeploy) may take to finish its "
+        "in-flight streams; None: sized from max_model_len x shutdown_token_s.",
+    )
     graceful_shutdown_wait_loop_s: float = Field(
-        2.0, gt=0, description="Seconds between a leaving replica's checks for unfinished requests.")
+        2.0, gt=0, description="Seconds between a leaving replica's checks for unfinished requests."
+    )
     shutdown_token_s: Optional[float] = Field(
-        None, gt=0, description="Seconds per generated token at a full batch, to size the shutdown "
-        "window; None: the sim preset's step time, or 0.3 (the embedded model at 64 sequences on 2 cores).")
+        None,
+        gt=0,
+        description="Seconds per generated token at a full batch, to size the shutdown "
+        "window; None: the sim preset's step time, or 0.3 (the embedded model at 64 sequences on 2 cores).",
+    )
     env_vars: Dict[str, str] = Field(default_factory=dict, description="Extra env vars of replica processes.")
 
 
@@ -55,14 +65,23 @@ class LimitsConfig(BaseModel):
     model_config = _STRICT
 
     max_body_bytes: Optional[int] = Field(
-        None, ge=1024, description="Largest HTTP request body (413 beyond it, before the body is read in "
-        "full). None: max_model_len x bytes_per_token + 64 KiB.")
+        None,
+        ge=1024,
+        description="Largest HTTP request body (413 beyond it, before the body is read in "
+        "full). None: max_model_len x bytes_per_token + 64 KiB.",
+    )
     max_prompt_chars: Optional[int] = Field(
-        None, ge=1, description="Most characters of prompt text (a prompt string, or all message contents "
-        "together), checked before tokenizing. None: max_model_len x bytes_per_token.")
+        None,
+        ge=1,
+        description="Most characters of prompt text (a prompt string, or all message contents "
+        "together), checked before tokenizing. None: max_model_len x bytes_per_token.",
+    )
     bytes_per_token: int = Field(
-        32, ge=1, description="Sizes the two limits above from the context window: ~4 characters per "
-        "token in English, up to 12 bytes for JSON-escaped non-ASCII text, 8 per token id in a list.")
+        32,
+        ge=1,
+        description="Sizes the two limits above from the context window: ~4 characters per "
+        "token in English, up to 12 bytes for JSON-escaped non-ASCII text, 8 per token id in a list.",
+    )
     max_messages: int = Field(1024, ge=1, description="Most chat messages, and most content parts in one.")
     max_stop: int = Field(16, ge=0, description="Most stop strings (and most stop_token_ids).")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters.")
@@ -71,15 +90,25 @@ class LimitsConfig(BaseModel):
     max_user_chars: int = Field(256, ge=1, description="Longest `user` field (OpenAI's end-user id).")
     max_request_id_chars: int = Field(256, ge=1, description="Longest request_id a Python caller may set.")
     max_n: int = Field(
-        8, ge=1, le=128, description="Most choices (`n`) per request. Each choice is a sequence in the batch "
+        8,
+        ge=1,
+        le=128,
+        description="Most choices (`n`) per request. Each choice is a sequence in the batch "
         "with its own KV blocks past the shared prompt: on a few CPU cores 128 (OpenAI's and vLLM's ceiling) "
-        "from one client would fill a replica's batch and starve everyone else's.")
+        "from one client would fill a replica's batch and starve everyone else's.",
+    )
     max_constraint_chars: int = Field(
-        65536, ge=1, description="Largest output constraint: a JSON schema (response_format, structured_outputs, "
-        "the tools' parameters together) as JSON text, a regex, a grammar or the choices.")
+        65536,
+        ge=1,
+        description="Largest output constraint: a JSON schema (response_format, structured_outputs, "
+        "the tools' parameters together) as JSON text, a regex, a grammar or the choices.",
+    )
     max_schema_depth: int = Field(
-        32, ge=1, description="Deepest nesting of a JSON schema (objects and lists inside each other): "
-        "compile time grows with it.")
+        32,
+        ge=1,
+        description="Deepest nesting of a JSON schema (objects and lists inside each other): "
+        "compile time grows with it.",
+    )
     max_tools: int = Field(128, ge=0, description="Most tools per request (OpenAI's limit).")
 
 
@@ -95,16 +124,23 @@ class IngressConfig(BaseModel):
     retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with overload errors.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     api_keys_env: Optional[str] = Field(
-        None, min_length=1, description="Name of an env var of the ingress process holding comma-separated API "
-        "keys (set it in the serve_config's runtime_env.env_vars). The keys themselves never appear in config.")
+        None,
+        min_length=1,
+        description="Name of an env var of the ingress process holding comma-separated API "
+        "keys (set it in the serve_config's runtime_env.env_vars). The keys themselves never appear in config.",
+    )
     api_key_file: Optional[str] = Field(
-        None, min_length=1, description="Path (on the ingress's node) of a file with one API key per line.")
+        None, min_length=1, description="Path (on the ingress's node) of a file with one API key per line."
+    )
     cors_allow_origins: List[str] = Field(
-        default_factory=list, description="Origins allowed by CORS, e.g. ['https://app.example']; [] = CORS off.")
+        default_factory=list, description="Origins allowed by CORS, e.g. ['https://app.example']; [] = CORS off."
+    )
     tool_call_parser: Literal["hermes", "llama3_json"] = Field(
-        "hermes", description="How `tool_choice: auto` answers are read for tool calls: 'hermes' (<tool_call> JSON: "
+        "hermes",
+        description="How `tool_choice: auto` answers are read for tool calls: 'hermes' (<tool_call> JSON: "
         "Hermes, Qwen2.5/3, and any model whose template ignores tools, which get the Hermes prompt) or "
-        "'llama3_json' (Llama 3.1+ JSON calls).")
+        "'llama3_json' (Llama 3.1+ JSON calls).",
+    )
 
 
 class StreamConfig(BaseModel):
@@ -113,13 +149,17 @@ class StreamConfig(BaseModel):
     model_config = _STRICT
 
     interval_ms: float = Field(
-        20.0, ge=0, description="After the first token (always sent at once), merge deltas arriving "
-        "within this window into one chunk: fewer Serve messages, same tokens."
+        20.0,
+        ge=0,
+        description="After the first token (always sent at once), merge deltas arriving "
+        "within this window into one chunk: fewer Serve messages, same tokens.",
     )
     max_chunks_per_s: Optional[float] = Field(
-        100.0, gt=0, description="Budget of chunks per second per replica over all its streams: with "
+        100.0,
+        gt=0,
+        description="Budget of chunks per second per replica over all its streams: with "
         "N streams open, each waits at least N / budget seconds between chunks (None: no budget). "
-        "Under saturation this keeps Serve's per-message cost off the cores the engine needs."
+        "Under saturation this keeps Serve's per-message cost off the cores the engine needs.",
     )
 
 
@@ -137,9 +177,12 @@ class AutoscalingConfig(BaseModel):
     initial_replicas: Optional[int] = Field(None, ge=0)
     target_ongoing_requests: float = Field(32.0, gt=0, description="Serve's policy only.")
     metrics_interval_s: float = Field(
-        0.5, gt=0, description="How often replicas and handles push metrics to the controller. Ray 2.60 "
+        0.5,
+        gt=0,
+        description="How often replicas and handles push metrics to the controller. Ray 2.60 "
         "reads this field (not the RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S variables, which the "
-        "app also sets for later Ray versions) and warns that it is deprecated.")
+        "app also sets for later Ray versions) and warns that it is deprecated.",
+    )
     look_back_period_s: Optional[float] = Field(None, gt=0)
     upscale_delay_s: Optional[float] = Field(None, ge=0)
     downscale_delay_s: Optional[float] = Field(None, ge=0)
@@ -172,8 +215,14 @@ class AutoscalingConfig(BaseModel):
 # Serve's delays and smoothing suit its policy; the queue-depth policy keeps its own dwell before a
 # removal and jumps straight to the count a burst needs, so Serve must apply neither on top of it.
 POLICY_DEFAULTS: Dict[str, Dict[str, float]] = {
-    POLICY_PATH: {"look_back_period_s": 5.0, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0,
-                  "downscale_to_zero_delay_s": 0.0, "upscaling_factor": 1.0, "downscaling_factor": 1.0},
+    POLICY_PATH: {
+        "look_back_period_s": 5.0,
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        "downscale_to_zero_delay_s": 0.0,
+        "upscaling_factor": 1.0,
+        "downscaling_factor": 1.0,
+    },
     SERVE_POLICY_PATH: {"look_back_period_s": 30.0, "upscale_delay_s": 30.0, "downscale_delay_s": 600.0},
 }
 
@@ -205,9 +254,7 @@ class AppConfig(BaseModel):
     model_config = _STRICT
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    served_model_name: Optional[str] = Field(
-        None, description="Name clients pass as `model`; default: engine.model."
-    )
+    served_model_name: Optional[str] = Field(None, description="Name clients pass as `model`; default: engine.model.")
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)

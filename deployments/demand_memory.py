@@ -2,6 +2,7 @@
 average, demand per bucket over the last MEMORY_STARTUPS start-ups, a ramp in it, the spells with
 requests queued, and the system's growth. Functions of the policy's state dict `s` (it lives in
 Serve's policy_state between control ticks)."""
+
 from __future__ import annotations
 
 import math
@@ -67,7 +68,7 @@ def trend(s: dict, startup: float) -> float:
     about one noise's width a bucket, which the steps' signs miss), by at most their own level,
     rise as much over the next start-up, when the replicas asked now land. A burst jumps and then
     wanders: no trend (the backlog rule has it)."""
-    rates = [a for _, a, _, _ in s.get("memory", [])[-(BUCKETS_PER_STARTUP + 2):-1]]  # complete buckets
+    rates = [a for _, a, _, _ in s.get("memory", [])[-(BUCKETS_PER_STARTUP + 2) : -1]]  # complete buckets
     if len(rates) < BUCKETS_PER_STARTUP + 1:
         return 0.0
     steps = [b - a for a, b in zip(rates, rates[1:])]

@@ -1,4 +1,5 @@
 """How the HTTP app answers a failure: every error is an OpenAI error body, counted and logged."""
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -25,8 +26,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid_body(request: Request, e: RequestValidationError):
         content_type = request.headers.get("content-type", "")
         if request.method == "POST" and "json" not in content_type:  # FastAPI then parses no body at all
-            return error_response(APIError(400, "request body must be JSON sent with Content-Type: "
-                                           f"application/json (got {clip(content_type) or 'none'!r})"))
+            return error_response(
+                APIError(
+                    400,
+                    "request body must be JSON sent with Content-Type: "
+                    f"application/json (got {clip(content_type) or 'none'!r})",
+                )
+            )
         return error_response(validation_error(e.errors()))
 
     @app.exception_handler(HTTPException)

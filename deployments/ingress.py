@@ -25,9 +25,19 @@ from deployments.config import IngressConfig
 from deployments.errors import APIError, engine_error, overload_error
 from deployments.http_errors import install_error_handlers
 from deployments.chat_output import ChatOutput, chat_events, sse
-from deployments.openai_protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, CompletionChoice,
-                                         CompletionLogprobs, CompletionRequest, ModelList, StreamUsage,
-                                         TextCompletion, Usage, new_id)
+from deployments.openai_protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    ModelList,
+    StreamUsage,
+    TextCompletion,
+    Usage,
+    new_id,
+)
 from deployments.limits import BodySizeLimit, RequestLimits
 from deployments.lora_api import LoadLoRAAdapterRequest, LoRAAdapterResponse, UnloadLoRAAdapterRequest
 from deployments.prompts import PromptPreparer
@@ -51,8 +61,9 @@ def _cancel(response) -> None:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, llm: DeploymentHandle, model_name: str, engine_model: str,
-                 ingress_config: Optional[dict] = None):
+    def __init__(
+        self, llm: DeploymentHandle, model_name: str, engine_model: str, ingress_config: Optional[dict] = None
+    ):
         from batcher.model_files import load_tokenizer
 
         self.config = IngressConfig.model_validate(ingress_config or {})
@@ -78,8 +89,13 @@ class OpenAIIngress:
         if self.api_keys is not None:
             app.add_middleware(APIKeyAuth, keys=self.api_keys)
         if self.config.cors_allow_origins:
-            app.add_middleware(CORSMiddleware, allow_origins=self.config.cors_allow_origins, allow_methods=["*"],
-                               allow_headers=["*"], expose_headers=[REPLICA_HEADER, TIMING_HEADER, "Retry-After"])
+            app.add_middleware(
+                CORSMiddleware,
+                allow_origins=self.config.cors_allow_origins,
+                allow_methods=["*"],
+                allow_headers=["*"],
+                expose_headers=[REPLICA_HEADER, TIMING_HEADER, "Retry-After"],
+            )
         return app
 
     # ---- typed Python API (other Ray jobs) -------------------------------------------------------
@@ -151,8 +167,13 @@ class OpenAIIngress:
         response.headers[REPLICA_HEADER] = out.replica_id
         response.headers[TIMING_HEADER] = log.server_timing()
         output = ChatOutput(body, self.config.tool_call_parser)
-        return ChatCompletion(id=rid, created=created, model=body.model or self.model_name,
-                              choices=[output.choice_of(c) for c in out.choices or [out]], usage=Usage.of(out))
+        return ChatCompletion(
+            id=rid,
+            created=created,
+            model=body.model or self.model_name,
+            choices=[output.choice_of(c) for c in out.choices or [out]],
+            usage=Usage.of(out),
+        )
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, response: Response):
@@ -167,10 +188,18 @@ class OpenAIIngress:
         response.headers[REPLICA_HEADER] = out.replica_id
         response.headers[TIMING_HEADER] = log.server_timing()
         return TextCompletion(
-            id=rid, created=created, model=body.model or self.model_name,
-            choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                      logprobs=CompletionLogprobs.of(c.logprobs) if c.logprobs is not None else None)
-                     for c in out.choices or [out]],
+            id=rid,
+            created=created,
+            model=body.model or self.model_name,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    logprobs=CompletionLogprobs.of(c.logprobs) if c.logprobs is not None else None,
+                )
+                for c in out.choices or [out]
+            ],
             usage=Usage.of(out),
         )
 
@@ -192,8 +221,9 @@ class OpenAIIngress:
         """With its adapter as Serve's multiplexed model id: routers prefer the replicas holding it."""
         return lora_routes.for_adapter(self.llm_stream if stream else self.llm, request.lora_name)
 
-    async def _stream_response(self, request: PreparedRequest, events,
-                               log: request_log.RequestLogEntry) -> StreamingResponse:
+    async def _stream_response(
+        self, request: PreparedRequest, events, log: request_log.RequestLogEntry
+    ) -> StreamingResponse:
         """Waits for the first chunk before answering, so errors keep their status code."""
         gen = self._llm(request, stream=True).stream.remote(request)
         try:
@@ -204,12 +234,15 @@ class OpenAIIngress:
         except Exception as e:
             raise self._api_error(e) from None
         log.first_token(first.replica_ttft_s, first.replica_sent_at)
-        return StreamingResponse(self._relay(request, gen, first, events, log), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", REPLICA_HEADER: first.replica_id,
-                                          TIMING_HEADER: log.server_timing()})
+        return StreamingResponse(
+            self._relay(request, gen, first, events, log),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", REPLICA_HEADER: first.replica_id, TIMING_HEADER: log.server_timing()},
+        )
 
-    async def _relay(self, request: PreparedRequest, gen, first: GenerateChunk, events,
-                     log: request_log.RequestLogEntry) -> AsyncIterator[str]:
+    async def _relay(
+        self, request: PreparedRequest, gen, first: GenerateChunk, events, log: request_log.RequestLogEntry
+    ) -> AsyncIterator[str]:
         """Chunks -> SSE text. A client disconnect cancels this generator, which cancels `gen`
         (the replica then aborts the request and frees its KV blocks)."""
         finished, output, last, generated = False, [], first, {}
@@ -241,8 +274,10 @@ class OpenAIIngress:
 
     def _chat_events(self, body: ChatCompletionRequest, rid: str, created: int):
         def make(choices, usage=None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=created, model=body.model or self.model_name, choices=choices,
-                                       usage=usage)
+            return ChatCompletionChunk(
+                id=rid, created=created, model=body.model or self.model_name, choices=choices, usage=usage
+            )
+
         return chat_events(body, ChatOutput(body, self.config.tool_call_parser), make)
 
     def _completion_events(self, body: CompletionRequest, rid: str, created: int):
@@ -252,14 +287,27 @@ class OpenAIIngress:
             offset = offsets.get(chunk.index, 0)
             lps = CompletionLogprobs.of(chunk.logprobs, offset) if chunk.logprobs else None
             offsets[chunk.index] = offset + len(chunk.text)
-            out = sse(TextCompletion(id=rid, created=created, model=body.model or self.model_name,
-                                      choices=[CompletionChoice(index=chunk.index, text=chunk.text, logprobs=lps,
-                                                                finish_reason=chunk.finish_reason)]))
+            out = sse(
+                TextCompletion(
+                    id=rid,
+                    created=created,
+                    model=body.model or self.model_name,
+                    choices=[
+                        CompletionChoice(
+                            index=chunk.index, text=chunk.text, logprobs=lps, finish_reason=chunk.finish_reason
+                        )
+                    ],
+                )
+            )
             total = usage.add(chunk)
             if total is not None and body.include_usage:
-                out += sse(TextCompletion(id=rid, created=created, model=body.model or self.model_name, choices=[],
-                                           usage=total))
+                out += sse(
+                    TextCompletion(
+                        id=rid, created=created, model=body.model or self.model_name, choices=[], usage=total
+                    )
+                )
             return out
+
         return events
 
     async def _fetch_model_info(self) -> ModelInfo:
@@ -302,6 +350,11 @@ class OpenAIIngress:
         if isinstance(cause, APIError):
             return APIError(*cause.args)
         if isinstance(cause, (RayActorError, DeploymentUnavailableError, RequestCancelledError)):
-            return APIError(503, f"LLM replica unavailable: {type(cause).__name__}", retry_after_s=self.overload[1],
-                            type="service_unavailable_error", code="replica_unavailable")
+            return APIError(
+                503,
+                f"LLM replica unavailable: {type(cause).__name__}",
+                retry_after_s=self.overload[1],
+                type="service_unavailable_error",
+                code="replica_unavailable",
+            )
         return engine_error(cause)

@@ -5,6 +5,7 @@ hostile request costs the ingress little and never reaches a replica. Each refus
 names the request field (`param`) and the limit (`ingress.limits.<name>`), so a client knows what to
 change and an operator which knob to turn.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ BODY_OVERHEAD_BYTES = 64 * 1024  # the JSON around the prompt: sampling fields, 
 
 
 def limit_error(param: str, what: str, name: str, value) -> APIError:
-    return APIError(400, f"{param}: {what}, more than the limit ingress.limits.{name} = {value}", param=param,
-                    code="limit_exceeded")
+    return APIError(
+        400, f"{param}: {what}, more than the limit ingress.limits.{name} = {value}", param=param, code="limit_exceeded"
+    )
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,9 @@ class RequestLimits:
         """Everything checkable before tokenizing: sizes, counts, ranges."""
         c = self.config
         if request.request_id is not None and len(request.request_id) > c.max_request_id_chars:
-            raise limit_error("request_id", f"{len(request.request_id)} characters", "max_request_id_chars",
-                              c.max_request_id_chars)
+            raise limit_error(
+                "request_id", f"{len(request.request_id)} characters", "max_request_id_chars", c.max_request_id_chars
+            )
         self._check_prompt(request)
         if len(request.stop) > c.max_stop:
             raise limit_error("stop", f"{len(request.stop)} stop strings", "max_stop", c.max_stop)
@@ -78,19 +81,28 @@ class RequestLimits:
             if not math.isfinite(getattr(request, name)):
                 raise APIError(400, f"{name}: must be a finite number", param=name)
         if request.top_k > self.vocab_size:
-            raise APIError(400, f"top_k: {request.top_k} is more than the vocabulary ({self.vocab_size} tokens)",
-                           param="top_k")
+            raise APIError(
+                400, f"top_k: {request.top_k} is more than the vocabulary ({self.vocab_size} tokens)", param="top_k"
+            )
         self._check_constraint(request)
         if request.max_tokens is not None and request.max_tokens > self.max_model_len:
-            raise APIError(400, f"max_tokens: {request.max_tokens} is more than max_model_len {self.max_model_len}",
-                           param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"max_tokens: {request.max_tokens} is more than max_model_len {self.max_model_len}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
 
     def check_tokens(self, param: str, ids: List[int]) -> None:
         """After tokenizing: the prompt (from request field `param`) fits the context window, its ids
         are in the vocabulary."""
         if len(ids) > self.max_model_len:  # refused here, before it costs a replica (or a router) anything
-            raise APIError(400, f"{param}: {len(ids)} prompt tokens, more than max_model_len {self.max_model_len}",
-                           param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{param}: {len(ids)} prompt tokens, more than max_model_len {self.max_model_len}",
+                param=param,
+                code="context_length_exceeded",
+            )
         self._check_ids(param, ids)
 
     # ---- helpers ---------------------------------------------------------------------------------
@@ -103,8 +115,9 @@ class RequestLimits:
             chars = 0
             for i, m in enumerate(request.messages):
                 if isinstance(m.content, list) and len(m.content) > c.max_messages:
-                    raise limit_error(f"messages.{i}.content", f"{len(m.content)} content parts", "max_messages",
-                                      c.max_messages)
+                    raise limit_error(
+                        f"messages.{i}.content", f"{len(m.content)} content parts", "max_messages", c.max_messages
+                    )
                 chars += len(m.text())
             if chars > limit:
                 raise limit_error("messages", f"{chars} characters of content", "max_prompt_chars", limit)
@@ -115,8 +128,12 @@ class RequestLimits:
                 raise limit_error("prompt", f"{len(request.prompt)} characters", "max_prompt_chars", limit)
             _check_unicode("prompt", request.prompt)
         elif request.prompt is not None and len(request.prompt) > self.max_model_len:
-            raise APIError(400, f"prompt: {len(request.prompt)} token ids, more than max_model_len "
-                           f"{self.max_model_len}", param="prompt", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"prompt: {len(request.prompt)} token ids, more than max_model_len {self.max_model_len}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
     def _check_constraint(self, request: GenerateRequest) -> None:
         """Sizes of what the output must follow, before a replica spends time compiling it."""
@@ -130,8 +147,9 @@ class RequestLimits:
         param = "structured_outputs" if spec is not None else "tools"
         size = sum(len(json.dumps(t.function.parameters)) for t in tools) + (len(spec.cache_key()) if spec else 0)
         if size > c.max_constraint_chars:
-            raise limit_error(param, f"a constraint of {size} characters", "max_constraint_chars",
-                              c.max_constraint_chars)
+            raise limit_error(
+                param, f"a constraint of {size} characters", "max_constraint_chars", c.max_constraint_chars
+            )
         depth = max(map(_depth, schemas), default=0)
         if depth > c.max_schema_depth:
             raise limit_error(param, f"a JSON schema nested {depth} deep", "max_schema_depth", c.max_schema_depth)
@@ -140,8 +158,7 @@ class RequestLimits:
         # As vLLM does: ids the tokenizer cannot produce are refused here, not left to the model.
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"{param}: token id {bad} is out of the vocabulary [0, {self.vocab_size})",
-                           param=param)
+            raise APIError(400, f"{param}: token id {bad} is out of the vocabulary [0, {self.vocab_size})", param=param)
 
 
 def _depth(value) -> int:
@@ -160,8 +177,9 @@ def _check_unicode(param: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{param}: not valid Unicode text ({e.reason} at position {e.start})",
-                       param=param) from None
+        raise APIError(
+            400, f"{param}: not valid Unicode text ({e.reason} at position {e.start})", param=param
+        ) from None
 
 
 def body_limit(config: LimitsConfig, max_model_len: int) -> int:
@@ -208,8 +226,11 @@ class BodySizeLimit:
 
 def _too_large(size: int, limit: int, partial: bool = False) -> APIError:
     what = f"more than {size}" if partial else str(size)
-    return APIError(413, f"request body of {what} bytes is larger than the limit "
-                    f"ingress.limits.max_body_bytes = {limit} bytes", code="request_too_large")
+    return APIError(
+        413,
+        f"request body of {what} bytes is larger than the limit ingress.limits.max_body_bytes = {limit} bytes",
+        code="request_too_large",
+    )
 
 
 async def _refuse(e: APIError, scope: Scope, receive: Receive, send: Send) -> None:
@@ -227,4 +248,5 @@ def _replay(body: bytes, receive: Receive) -> Receive:
             return await receive()  # http.disconnect: streaming responses watch for it
         sent = True
         return {"type": "http.request", "body": body, "more_body": False}
+
     return replay

@@ -3,6 +3,7 @@
 It streams coalesced token chunks, reports load to the request router and the autoscaler, and
 fails its health check when the engine loop is dead or stuck, so Serve replaces the replica.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,15 @@ from deployments import metrics
 from deployments.coalesce import coalesce
 from deployments.config import StreamConfig
 from deployments.errors import APIError, engine_error
-from deployments.protocol import (GenerateChunk, GeneratedChoice, GenerateResponse, ModelInfo, OutputLogprob,
-                                  PreparedRequest, TopLogprob)
+from deployments.protocol import (
+    GenerateChunk,
+    GeneratedChoice,
+    GenerateResponse,
+    ModelInfo,
+    OutputLogprob,
+    PreparedRequest,
+    TopLogprob,
+)
 from router.cost_model import StepMeter
 
 # Fault injection (stall_engine_for_tests, fail_engine_steps_for_tests) works only in replicas
@@ -30,8 +38,14 @@ TEST_HOOKS_ENV = "ITERSERVE_ENABLE_TEST_HOOKS"
 
 @serve.deployment(name="LLMServer")
 class LLMServer:
-    def __init__(self, engine_config: dict, served_model_name: str, stream_config: Optional[dict] = None,
-                 cost_model: Optional[str] = None, eviction_stride: int = 1):
+    def __init__(
+        self,
+        engine_config: dict,
+        served_model_name: str,
+        stream_config: Optional[dict] = None,
+        cost_model: Optional[str] = None,
+        eviction_stride: int = 1,
+    ):
         """`cost_model`: the step-time preset its measured step times are shrunk toward (the request
         router's prior, deployments.app.default_cost_model); default: a simulated replica's own, else
         the CPU's. `eviction_stride`: its reports name one evicted block of a chain in this many, the
@@ -46,8 +60,11 @@ class LLMServer:
         # Serve's multiplexing: the adapters this replica served lately, reported to the controller so
         # every router (Serve's own too) prefers this replica for them. Bookkeeping only, as long as
         # the engine's LRU: the engine alone loads and evicts (docs/lora.md).
-        self._adapter_seen = serve.multiplexed(max_num_models_per_replica=config.lora.memory_slots)(
-            _adapter_seen()) if config.lora is not None else None
+        self._adapter_seen = (
+            serve.multiplexed(max_num_models_per_replica=config.lora.memory_slots)(_adapter_seen())
+            if config.lora is not None
+            else None
+        )
         self.tokenizer = self.engine.tokenizer
         self.model_name = served_model_name
         stream = StreamConfig.model_validate(stream_config or {})
@@ -77,8 +94,14 @@ class LLMServer:
         choices' chunks interleave (GenerateChunk.index); the stream ends after each has finished."""
         _check_prepared(request)
         timer, reason, generated = metrics.RequestTimer(), "abort", {}  # "abort": the caller went away
-        deltas = self.engine.stream(request.prompt_token_ids, request.params, request.request_id, request.cache_salt,
-                                    request.lora_name, request.lora_path)
+        deltas = self.engine.stream(
+            request.prompt_token_ids,
+            request.params,
+            request.request_id,
+            request.cache_salt,
+            request.lora_name,
+            request.lora_path,
+        )
         open_choices = set(range(request.params.n))
 
         def is_last(d) -> bool:  # called once per delta, in order
@@ -110,8 +133,14 @@ class LLMServer:
         _check_prepared(request)
         timer, deltas = metrics.RequestTimer(), []
         try:
-            async for d in self.engine.stream(request.prompt_token_ids, request.params, request.request_id,
-                                              request.cache_salt, request.lora_name, request.lora_path):
+            async for d in self.engine.stream(
+                request.prompt_token_ids,
+                request.params,
+                request.request_id,
+                request.cache_salt,
+                request.lora_name,
+                request.lora_path,
+            ):
                 if not deltas:
                     await self._saw_adapter(request.lora_name)
                 timer.saw(len(d.token_ids))  # the deltas, unlike engine.generate, time the first token
@@ -126,14 +155,24 @@ class LLMServer:
         total = sum(c.completion_tokens for c in choices)  # usage: every choice's tokens, the prompt once
         self.metrics.finish(timer, outs[0].finish_reason, total)
         return GenerateResponse(
-            **{**dict(choices[0]), "completion_tokens": total}, request_id=outs[0].request_id,
-            prompt_tokens=len(request.prompt_token_ids), cached_tokens=outs[0].num_cached_tokens,
-            replica_id=self.replica_id, choices=choices if len(choices) > 1 else [], replica_ttft_s=timer.ttft_s,
+            **{**dict(choices[0]), "completion_tokens": total},
+            request_id=outs[0].request_id,
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_tokens=outs[0].num_cached_tokens,
+            replica_id=self.replica_id,
+            choices=choices if len(choices) > 1 else [],
+            replica_ttft_s=timer.ttft_s,
         )
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(model_name=self.model_name, max_model_len=self.max_request_tokens, simulation=self.simulation,
-                         replica_id=self.replica_id, loras=self.engine.lora_names(), lora_config=self.lora_config)
+        return ModelInfo(
+            model_name=self.model_name,
+            max_model_len=self.max_request_tokens,
+            simulation=self.simulation,
+            replica_id=self.replica_id,
+            loras=self.engine.lora_names(),
+            lora_config=self.lora_config,
+        )
 
     async def load_lora(self, name: str, path: str) -> dict:
         """Reads and checks adapter `name` at `path` and holds it (the ingress's /v1/load_lora_adapter).
@@ -178,21 +217,35 @@ class LLMServer:
         snap = self.engine.snapshot()  # published by the engine thread: safe to read from this loop
         s, held = snap.stats, list(snap.held_request_ids)
         self.step_meter.observe(s)
-        return {"time_s": time.time(), "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage,
-                "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
-                "queued_prefill_tokens": s.queued_prefill_tokens, "context_tokens": s.context_tokens,
-                "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "request_ids": held,
-                "step_fit": self.step_meter.fit(), "loras": dict(s.resident_loras),
-                "evicted": self.engine.cut_evictions()}
+        return {
+            "time_s": time.time(),
+            "waiting": s.waiting,
+            "running": s.running,
+            "kv_usage": s.kv_usage,
+            "kv_blocks_free": s.kv_blocks_free,
+            "kv_blocks_total": s.kv_blocks_total,
+            "queued_prefill_tokens": s.queued_prefill_tokens,
+            "context_tokens": s.context_tokens,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "request_ids": held,
+            "step_fit": self.step_meter.fit(),
+            "loras": dict(s.resident_loras),
+            "evicted": self.engine.cut_evictions(),
+        }
 
     def record_autoscaling_stats(self) -> Dict[str, float]:
         """Custom autoscaling metrics (ctx.aggregated_metrics[name][replica_id] in a policy)."""
         s = self.engine.stats()
         seqs, batched_tokens, block_size = self.engine_shape
         # `finished` and `preemptions` are counters: the policy reads their rate from the raw series.
-        stats = {"waiting": float(s.waiting), "running": float(s.running), "kv_usage": float(s.kv_usage),
-                 "kv_blocks_free": float(s.kv_blocks_free),
-                 "finished": float(s.finished_requests + s.aborted_requests), "preemptions": float(s.preemptions)}
+        stats = {
+            "waiting": float(s.waiting),
+            "running": float(s.running),
+            "kv_usage": float(s.kv_usage),
+            "kv_blocks_free": float(s.kv_blocks_free),
+            "finished": float(s.finished_requests + s.aborted_requests),
+            "preemptions": float(s.preemptions),
+        }
         # `capacity`: req/s it would complete running all its slots, from its step times (measured
         # over the last minute or two) and its requests' size. Left out until it knows them: Serve
         # averages each metric over the points it has, and zeros would pull the first ones down.
@@ -224,18 +277,31 @@ class LLMServer:
 
     def _chunks(self, deltas: list) -> List[GenerateChunk]:
         """One chunk per choice the deltas carry."""
-        return [GenerateChunk(
-            request_id=d.request_id, index=d.index, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
-            logprobs=self._logprobs(d.logprobs) if d.logprobs else None,
-            prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated_tokens,
-            cached_tokens=d.num_cached_tokens, replica_id=self.replica_id,
-        ) for d in merge_by_choice(deltas)]
+        return [
+            GenerateChunk(
+                request_id=d.request_id,
+                index=d.index,
+                text=d.text,
+                token_ids=d.token_ids,
+                finish_reason=d.finish_reason,
+                logprobs=self._logprobs(d.logprobs) if d.logprobs else None,
+                prompt_tokens=d.num_prompt_tokens,
+                completion_tokens=d.num_generated_tokens,
+                cached_tokens=d.num_cached_tokens,
+                replica_id=self.replica_id,
+            )
+            for d in merge_by_choice(deltas)
+        ]
 
     def _generated_choice(self, out: Completion) -> GeneratedChoice:
         return GeneratedChoice(
-            index=out.index, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+            index=out.index,
+            text=out.text,
+            token_ids=out.token_ids,
+            finish_reason=out.finish_reason,
             logprobs=self._logprobs(out.logprobs) if out.logprobs is not None else None,
-            completion_tokens=len(out.token_ids))
+            completion_tokens=len(out.token_ids),
+        )
 
     def _text_of(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -245,9 +311,14 @@ class LLMServer:
 
     def _logprobs(self, lps: List) -> Optional[List[OutputLogprob]]:
         return [
-            OutputLogprob(token_id=lp.token_id, token=self._text_of(lp.token_id), logprob=lp.logprob,
-                         top_logprobs=[TopLogprob(token_id=t, token=self._text_of(t), logprob=v)
-                                       for t, v in lp.top_logprobs.items()])
+            OutputLogprob(
+                token_id=lp.token_id,
+                token=self._text_of(lp.token_id),
+                logprob=lp.logprob,
+                top_logprobs=[
+                    TopLogprob(token_id=t, token=self._text_of(t), logprob=v) for t, v in lp.top_logprobs.items()
+                ],
+            )
             for lp in lps
         ]
 
@@ -260,15 +331,20 @@ def _adapter_seen():
     """Serve's multiplexed "model" loader, one per replica (Serve keeps its LRU on the function): the
     adapter's name alone. The engine holds the weights, so Serve's LRU dropping a name only stops
     reporting it (nothing to free: no __del__)."""
+
     async def adapter_seen(lora_name: str) -> str:
         return lora_name
+
     return adapter_seen
 
 
 def _check_prepared(request) -> None:
     if not isinstance(request, PreparedRequest):
-        raise APIError(400, f"LLMServer takes a PreparedRequest, got {type(request).__name__}: send requests "
-                       "to the ingress app (HTTP or serve.get_app_handle), which prepares them once")
+        raise APIError(
+            400,
+            f"LLMServer takes a PreparedRequest, got {type(request).__name__}: send requests "
+            "to the ingress app (HTTP or serve.get_app_handle), which prepares them once",
+        )
 
 
 def _check_test_hooks() -> None:

@@ -1,5 +1,6 @@
 """Bodies of the LoRA adapter endpoints, as vLLM names them (`POST /v1/load_lora_adapter`,
 `POST /v1/unload_lora_adapter`), and the model card of an adapter in `GET /v1/models`."""
+
 from __future__ import annotations
 
 from typing import Optional

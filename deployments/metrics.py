@@ -9,6 +9,7 @@ replica's unique id, as in the `X-Iterserve-Replica` header); requests add `fini
 The step loop pays nothing: the replica reads the clock at a request's first and last chunk, and
 copies the engine's gauges and counters (plain data in batcher.EngineStats) every `REFRESH_S`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,12 +28,73 @@ LABELS = ("application", "replica")
 
 # Seconds. Wide enough for a CPU replica (TTFT of seconds under load) and fine enough at the low end
 # for a GPU one (TPOT of a few ms).
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
-                7.5, 10.0, 20.0, 30.0, 60.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
-                0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
-               120.0, 300.0, 600.0)
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+E2E_BUCKETS = (
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 
 @dataclass(frozen=True)
@@ -55,44 +117,78 @@ class MetricSpec:
 
 
 SPECS = (
-    MetricSpec("iterserve_time_to_first_token_seconds", "histogram",
-               "Seconds from the LLM replica taking a request to its first token", buckets=TTFT_BUCKETS),
-    MetricSpec("iterserve_time_per_output_token_seconds", "histogram",
-               "Seconds per output token after the first, per finished request", buckets=TPOT_BUCKETS),
-    MetricSpec("iterserve_e2e_request_latency_seconds", "histogram",
-               "Seconds from the LLM replica taking a request to its last token (finished requests)",
-               buckets=E2E_BUCKETS),
-    MetricSpec("iterserve_num_requests_waiting", "gauge", "Requests queued in the engine",
-               engine_field="waiting"),
-    MetricSpec("iterserve_num_requests_running", "gauge", "Requests in the running batch",
-               engine_field="running"),
-    MetricSpec("iterserve_kv_cache_usage_ratio", "gauge", "Share of KV blocks in use (0..1)",
-               engine_field="kv_usage"),
+    MetricSpec(
+        "iterserve_time_to_first_token_seconds",
+        "histogram",
+        "Seconds from the LLM replica taking a request to its first token",
+        buckets=TTFT_BUCKETS,
+    ),
+    MetricSpec(
+        "iterserve_time_per_output_token_seconds",
+        "histogram",
+        "Seconds per output token after the first, per finished request",
+        buckets=TPOT_BUCKETS,
+    ),
+    MetricSpec(
+        "iterserve_e2e_request_latency_seconds",
+        "histogram",
+        "Seconds from the LLM replica taking a request to its last token (finished requests)",
+        buckets=E2E_BUCKETS,
+    ),
+    MetricSpec("iterserve_num_requests_waiting", "gauge", "Requests queued in the engine", engine_field="waiting"),
+    MetricSpec("iterserve_num_requests_running", "gauge", "Requests in the running batch", engine_field="running"),
+    MetricSpec("iterserve_kv_cache_usage_ratio", "gauge", "Share of KV blocks in use (0..1)", engine_field="kv_usage"),
     MetricSpec("iterserve_kv_blocks_free", "gauge", "Free KV blocks", engine_field="kv_blocks_free"),
-    MetricSpec("iterserve_preemptions", "counter", "Sequences preempted (recompute) for lack of KV blocks",
-               engine_field="preemptions"),
-    MetricSpec("iterserve_prefix_cache_hit_tokens", "counter", "Prompt tokens found in the prefix cache",
-               engine_field="prefix_cache_hits"),
-    MetricSpec("iterserve_prefix_cache_query_tokens", "counter", "Prompt tokens looked up in the prefix cache",
-               engine_field="prefix_cache_queries"),
-    MetricSpec("iterserve_prompt_tokens", "counter", "Prompt tokens of requests the engine took",
-               engine_field="prompt_tokens"),
-    MetricSpec("iterserve_generation_tokens", "counter", "Output tokens generated",
-               engine_field="generated_tokens"),
-    MetricSpec("iterserve_requests", "counter", "Requests ended at the LLM replica, by finish reason",
-               labels=("finish_reason",)),
-    MetricSpec("iterserve_errors", "counter", "Error answers of the HTTP ingress, by OpenAI error type",
-               labels=("error_type", "status_code")),
+    MetricSpec(
+        "iterserve_preemptions",
+        "counter",
+        "Sequences preempted (recompute) for lack of KV blocks",
+        engine_field="preemptions",
+    ),
+    MetricSpec(
+        "iterserve_prefix_cache_hit_tokens",
+        "counter",
+        "Prompt tokens found in the prefix cache",
+        engine_field="prefix_cache_hits",
+    ),
+    MetricSpec(
+        "iterserve_prefix_cache_query_tokens",
+        "counter",
+        "Prompt tokens looked up in the prefix cache",
+        engine_field="prefix_cache_queries",
+    ),
+    MetricSpec(
+        "iterserve_prompt_tokens", "counter", "Prompt tokens of requests the engine took", engine_field="prompt_tokens"
+    ),
+    MetricSpec("iterserve_generation_tokens", "counter", "Output tokens generated", engine_field="generated_tokens"),
+    MetricSpec(
+        "iterserve_requests",
+        "counter",
+        "Requests ended at the LLM replica, by finish reason",
+        labels=("finish_reason",),
+    ),
+    MetricSpec(
+        "iterserve_errors",
+        "counter",
+        "Error answers of the HTTP ingress, by OpenAI error type",
+        labels=("error_type", "status_code"),
+    ),
 )
 SPEC = {s.name: s for s in SPECS}
 
 # Per LoRA adapter (label `adapter`), from EngineStats.lora_counters: exported by replicas that serve
 # adapters only, so apart from SPECS (whose series every replica exports).
-LORA_COUNTERS = {"requests": "Requests that used the adapter", "prompt_tokens": "Prompt tokens of its requests",
-                 "generated_tokens": "Output tokens generated with it", "loads": "Times a replica read it into memory",
-                 "evictions": "Times a replica dropped it from memory (LRU)"}
-LORA_SPECS = tuple(MetricSpec(f"iterserve_lora_{key}", "counter", f"LoRA adapters: {text}", labels=("adapter",))
-                   for key, text in LORA_COUNTERS.items())
+LORA_COUNTERS = {
+    "requests": "Requests that used the adapter",
+    "prompt_tokens": "Prompt tokens of its requests",
+    "generated_tokens": "Output tokens generated with it",
+    "loads": "Times a replica read it into memory",
+    "evictions": "Times a replica dropped it from memory (LRU)",
+}
+LORA_SPECS = tuple(
+    MetricSpec(f"iterserve_lora_{key}", "counter", f"LoRA adapters: {text}", labels=("adapter",))
+    for key, text in LORA_COUNTERS.items()
+)
 
 
 def exported_names() -> set:
@@ -164,7 +260,8 @@ class ReplicaMetrics:
                 m["iterserve_e2e_request_latency_seconds"].observe(now - timer.start)
                 if num_output_tokens > 1:
                     m["iterserve_time_per_output_token_seconds"].observe(
-                        (now - timer.first_token) / (num_output_tokens - 1))
+                        (now - timer.first_token) / (num_output_tokens - 1)
+                    )
         m["iterserve_requests"].inc(tags={"finish_reason": finish_reason})
 
     def refresh(self, stats: EngineStats) -> None:

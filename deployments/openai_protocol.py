@@ -5,6 +5,7 @@ OpenAI's, as are response_format (a JSON object or schema); repetition_penalty, 
 ignore_eos, cache_salt and structured_outputs (json, regex, choice, grammar) are extensions (vLLM's
 names). Their ranges are SamplingParams', checked when the body becomes a GenerateRequest.
 """
+
 from __future__ import annotations
 
 import time
@@ -78,8 +79,21 @@ class _Request(BaseModel):
     structured_outputs: Optional[StructuredOutputs] = None  # extension (vLLM's): json, regex, choice, grammar
 
     def _generate_fields(self) -> dict:
-        names = ("model", "n", "temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "presence_penalty",
-                 "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens")
+        names = (
+            "model",
+            "n",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop",
+            "cache_salt",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "repetition_penalty",
+            "min_tokens",
+        )
         fields = {k: getattr(self, k) for k in names} | {"structured_outputs": self._constraint()}
         return {k: v for k, v in fields.items() if v is not None} | {"ignore_eos": self.ignore_eos}
 
@@ -106,9 +120,14 @@ class ChatCompletionRequest(_Request):
     def to_generate(self, request_id: str) -> GenerateRequest:
         top = (self.top_logprobs or 0) if self.logprobs else None
         return GenerateRequest(
-            messages=self.messages, max_tokens=self.max_completion_tokens or self.max_tokens,
-            logprobs=top, request_id=request_id, tools=self.tools, tool_choice=self.tool_choice,
-            parallel_tool_calls=self.parallel_tool_calls, **self._generate_fields(),
+            messages=self.messages,
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+            logprobs=top,
+            request_id=request_id,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            **self._generate_fields(),
         )
 
 
@@ -138,11 +157,17 @@ class CompletionRequest(_Request):
         return self
 
     def to_generate(self, request_id: str) -> GenerateRequest:
-        return GenerateRequest(prompt=self.prompt, max_tokens=self.max_tokens, logprobs=self.logprobs,
-                               request_id=request_id, **self._generate_fields())
+        return GenerateRequest(
+            prompt=self.prompt,
+            max_tokens=self.max_tokens,
+            logprobs=self.logprobs,
+            request_id=request_id,
+            **self._generate_fields(),
+        )
 
 
 # ---- responses -------------------------------------------------------------------------------
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -161,9 +186,12 @@ class Usage(BaseModel):
     @classmethod
     def of(cls, out) -> "Usage":
         """From a GenerateResponse, or the last GenerateChunk of a stream."""
-        return cls(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                   total_tokens=out.prompt_tokens + out.completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens))
+        return cls(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            total_tokens=out.prompt_tokens + out.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens),
+        )
 
 
 class StreamUsage:
@@ -201,8 +229,12 @@ class ChatLogprobs(BaseModel):
     def of(cls, lps: List[OutputLogprob]) -> "ChatLogprobs":
         def top(t) -> ChatTopLogprob:
             return ChatTopLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()))
-        return cls(content=[ChatTokenLogprob(**top(lp).model_dump(), top_logprobs=[top(t) for t in lp.top_logprobs])
-                            for lp in lps])
+
+        return cls(
+            content=[
+                ChatTokenLogprob(**top(lp).model_dump(), top_logprobs=[top(t) for t in lp.top_logprobs]) for lp in lps
+            ]
+        )
 
 
 class CompletionLogprobs(BaseModel):
@@ -217,9 +249,12 @@ class CompletionLogprobs(BaseModel):
         for lp in lps:
             offsets.append(pos)
             pos += len(lp.token)
-        return cls(tokens=[lp.token for lp in lps], token_logprobs=[lp.logprob for lp in lps],
-                   top_logprobs=[{t.token: t.logprob for t in lp.top_logprobs} for lp in lps],
-                   text_offset=offsets)
+        return cls(
+            tokens=[lp.token for lp in lps],
+            token_logprobs=[lp.logprob for lp in lps],
+            top_logprobs=[{t.token: t.logprob for t in lp.top_logprobs} for lp in lps],
+            text_offset=offsets,
+        )
 
 
 class ChatMessageOut(BaseModel):

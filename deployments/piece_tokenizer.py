@@ -14,6 +14,7 @@ apart from the others (Metaspace's `prepend_scheme: first`, SentencePiece-style 
 it does not hold, or a probe of every added token does not come out exactly as the tokenizer's own
 call, every text is tokenized whole, as before.
 """
+
 from __future__ import annotations
 
 import json
@@ -118,7 +119,7 @@ class PieceTokenizer:
         at = _find(wrapped, probe)
         if at < 0:
             return "the post-processor changes the text's own ids"
-        head, tail = wrapped[:at], wrapped[at + len(probe):]
+        head, tail = wrapped[:at], wrapped[at + len(probe) :]
         alternatives = "|".join(re.escape(c) for c in sorted(added, key=len, reverse=True))
         self._split = (re.compile(f"({alternatives})"), added, head, tail)
         probe_text = _probe(list(added))
@@ -141,7 +142,7 @@ def _first_piece_apart(pre_tokenizer) -> bool:
 
 def _find(seq: List[int], sub: List[int]) -> int:
     for i in range(len(seq) - len(sub) + 1):
-        if seq[i:i + len(sub)] == sub:
+        if seq[i : i + len(sub)] == sub:
             return i
     return -1
 
@@ -154,4 +155,3 @@ def _probe(added: List[str]) -> str:
     for c in added:
         parts += [f" {c} a", f"\n{c}\nb ", f"{c}{c}", f"x{c}y", f"  {c}", f"{c}  "]
     return "".join(parts) + long
-

@@ -4,6 +4,7 @@ The ingress does it once per request, where it is cheapest: routers then hash ex
 the engine will cache, and the replicas' cores only run the engine. Same tokenizer, same template,
 same ids as the offline engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,9 @@ def chat_text(tokenizer, request: GenerateRequest) -> str:
     return render_chat(tokenizer, messages, tools)
 
 
-def prompt_token_ids(tokenizer, request: GenerateRequest,
-                     encode: Optional[Callable[[str], List[int]]] = None) -> List[int]:
+def prompt_token_ids(
+    tokenizer, request: GenerateRequest, encode: Optional[Callable[[str], List[int]]] = None
+) -> List[int]:
     """`encode`: text -> ids, the tokenizer's own call unless given (a PieceTokenizer's: the same ids)."""
     encode = encode or (lambda text: tokenizer(text)["input_ids"])
     if request.messages is not None:
@@ -40,9 +42,13 @@ def prompt_token_ids(tokenizer, request: GenerateRequest,
     return list(request.prompt)
 
 
-def prepare(tokenizer, request: Union[GenerateRequest, dict], limits: RequestLimits,
-            resolve: Optional[Callable[[Optional[str]], ResolvedModel]] = None,
-            encode: Optional[Callable[[str], List[int]]] = None) -> PreparedRequest:
+def prepare(
+    tokenizer,
+    request: Union[GenerateRequest, dict],
+    limits: RequestLimits,
+    resolve: Optional[Callable[[Optional[str]], ResolvedModel]] = None,
+    encode: Optional[Callable[[str], List[int]]] = None,
+) -> PreparedRequest:
     """Validates a request (sizes before tokenizing, token ids after), gives it an id, its prompt's
     token ids and max_tokens (None: the rest of the context window), and its `model` resolved to a
     LoRA adapter by `resolve` (AdapterRegistry.resolve; None: only the base); text tokenized by
@@ -56,10 +62,15 @@ def prepare(tokenizer, request: Union[GenerateRequest, dict], limits: RequestLim
         ids = prompt_token_ids(tokenizer, request, encode)
         limits.check_tokens(request.prompt_param, ids)
         max_tokens = request.max_tokens or max(1, limits.max_model_len - len(ids))
-        return PreparedRequest(request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=ids,
-                               params=request.sampling_params(max_tokens), cache_salt=request.cache_salt,
-                               prompt_param=request.prompt_param, lora_name=lora.lora_name,
-                               lora_path=lora.lora_path)
+        return PreparedRequest(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            params=request.sampling_params(max_tokens),
+            cache_salt=request.cache_salt,
+            prompt_param=request.prompt_param,
+            lora_name=lora.lora_name,
+            lora_path=lora.lora_path,
+        )
     except pydantic.ValidationError as e:
         raise engine_error(e) from None
     except APIError:
@@ -81,7 +92,12 @@ class PromptPreparer:
         self.pieces = PieceTokenizer(tokenizer)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
 
-    async def __call__(self, request: Union[GenerateRequest, dict], limits: RequestLimits,
-                       resolve: Optional[Callable[[Optional[str]], ResolvedModel]] = None) -> PreparedRequest:
+    async def __call__(
+        self,
+        request: Union[GenerateRequest, dict],
+        limits: RequestLimits,
+        resolve: Optional[Callable[[Optional[str]], ResolvedModel]] = None,
+    ) -> PreparedRequest:
         return await asyncio.get_running_loop().run_in_executor(
-            self._thread, prepare, self.tokenizer, request, limits, resolve, self.pieces.encode)
+            self._thread, prepare, self.tokenizer, request, limits, resolve, self.pieces.encode
+        )

@@ -1,9 +1,10 @@
 """Typed request and responses of the LLM deployment: what other Ray jobs pass through a handle.
 
-    handle = serve.get_app_handle("iterserve")
-    resp: GenerateResponse = handle.generate.remote(GenerateRequest(prompt="Hi", max_tokens=8)).result()
-    for chunk in handle.options(stream=True).stream.remote(GenerateRequest(...)): ...  # GenerateChunk
+handle = serve.get_app_handle("iterserve")
+resp: GenerateResponse = handle.generate.remote(GenerateRequest(prompt="Hi", max_tokens=8)).result()
+for chunk in handle.options(stream=True).stream.remote(GenerateRequest(...)): ...  # GenerateChunk
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,19 +46,28 @@ class GenerateRequest(SamplingParams):
     max_tokens: Optional[int] = Field(None, ge=1, description="None: fill the rest of the context.")
     request_id: Optional[str] = None
     cache_salt: Optional[str] = Field(
-        None, min_length=1, description="Requests share prefix-cache blocks only with requests of the same "
+        None,
+        min_length=1,
+        description="Requests share prefix-cache blocks only with requests of the same "
         "salt (as vLLM's cache_salt): tenants that must not learn of each other's prompts through cache "
-        "timing each send their own.")
+        "timing each send their own.",
+    )
     tools: Optional[List[ToolDefinition]] = Field(
-        None, description="Functions the model may call (chat only): the chat template renders them; "
-        "deployments.tool_parsers reads calls back out of the text.")
+        None,
+        description="Functions the model may call (chat only): the chat template renders them; "
+        "deployments.tool_parsers reads calls back out of the text.",
+    )
     tool_choice: Optional[ToolChoice] = Field(
-        None, description="'none', 'auto' (default with tools), 'required' or a named function: the last two "
-        "constrain the output to the functions' JSON schemas (deployments.tool_calls.constraint_schema).")
+        None,
+        description="'none', 'auto' (default with tools), 'required' or a named function: the last two "
+        "constrain the output to the functions' JSON schemas (deployments.tool_calls.constraint_schema).",
+    )
     parallel_tool_calls: bool = True
     model: Optional[str] = Field(
-        None, description="The served model's name (None: it), a LoRA adapter's name, or `base:adapter` "
-        "(Ray Serve LLM's form); deployments.adapters.AdapterRegistry resolves it.")
+        None,
+        description="The served model's name (None: it), a LoRA adapter's name, or `base:adapter` "
+        "(Ray Serve LLM's form); deployments.adapters.AdapterRegistry resolves it.",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
@@ -69,8 +79,10 @@ class GenerateRequest(SamplingParams):
             raise ValueError("tools: only chat requests (`messages`) can call tools")
         check_tool_choice(self.tools, self.tool_choice)
         if self.structured_outputs is not None and self.tool_constraint() is not None:
-            raise ValueError("tool_choice: a required or named tool choice constrains the output already; "
-                             "drop response_format / structured_outputs")
+            raise ValueError(
+                "tool_choice: a required or named tool choice constrains the output already; "
+                "drop response_format / structured_outputs"
+            )
         return self
 
     def tool_constraint(self) -> Optional[StructuredOutputs]:
@@ -84,8 +96,11 @@ class GenerateRequest(SamplingParams):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         fields = set(SamplingParams.model_fields) - {"max_tokens", "structured_outputs"}
-        return SamplingParams(max_tokens=max_tokens, structured_outputs=self.structured_outputs or self.tool_constraint(),
-                              **self.model_dump(include=fields))
+        return SamplingParams(
+            max_tokens=max_tokens,
+            structured_outputs=self.structured_outputs or self.tool_constraint(),
+            **self.model_dump(include=fields),
+        )
 
 
 @dataclass(frozen=True)

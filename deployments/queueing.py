@@ -1,5 +1,6 @@
 """Queueing arithmetic the autoscaling policy sizes with (deployments/autoscaling.py): the M/M/c tail
 of a fleet of slot-servers, and the fluid queue of a burst."""
+
 from __future__ import annotations
 
 import functools

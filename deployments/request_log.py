@@ -6,6 +6,7 @@ error type, finish reason, token counts, TTFT and end-to-end seconds, the second
 prompt and the LLM replica's own TTFT, the replica that served it.
 Never prompt or output text, never headers (API keys).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,12 +47,21 @@ class RequestLogEntry:
         tokens, limits), `replica-ttft` (the LLM replica's queue and prefill), `ttft` (the ingress's
         whole, streams only): ttft - prepare - replica-ttft is routing and Serve's hops, of which
         `from-replica` (streams) is the first chunk's way back and the rest the request's way there."""
-        parts = [("prepare", self.prepare_s), ("replica-ttft", self.replica_ttft_s), ("ttft", self.ttft_s),
-                 ("from-replica", self.from_replica_s)]
+        parts = [
+            ("prepare", self.prepare_s),
+            ("replica-ttft", self.replica_ttft_s),
+            ("ttft", self.ttft_s),
+            ("from-replica", self.from_replica_s),
+        ]
         return ", ".join(f"{name};dur={s * 1000:.1f}" for name, s in parts if s is not None)
 
-    def write(self, status_code: int, out: "GenerateChunk | GenerateResponse | None" = None,
-              error_type: Optional[str] = None, finish_reason: Optional[str] = None) -> None:
+    def write(
+        self,
+        status_code: int,
+        out: "GenerateChunk | GenerateResponse | None" = None,
+        error_type: Optional[str] = None,
+        finish_reason: Optional[str] = None,
+    ) -> None:
         """Logs the line once (later calls do nothing). `out`: the final or last seen output."""
         if self.written:
             return
@@ -59,14 +69,20 @@ class RequestLogEntry:
         if out is not None and out.replica_ttft_s is not None:  # a whole answer's (a stream's: first_token)
             self.replica_ttft_s = out.replica_ttft_s
         line = {
-            "event": EVENT, "request_id": self.request_id, "stream": self.stream, "status_code": status_code,
-            "error_type": error_type, "finish_reason": finish_reason or (out.finish_reason if out else None),
+            "event": EVENT,
+            "request_id": self.request_id,
+            "stream": self.stream,
+            "status_code": status_code,
+            "error_type": error_type,
+            "finish_reason": finish_reason or (out.finish_reason if out else None),
             "prompt_tokens": out.prompt_tokens if out else None,
             "output_tokens": out.completion_tokens if out else None,
             "cached_tokens": out.cached_tokens if out else None,
-            "ttft_s": _round(self.ttft_s), "e2e_s": _round(time.perf_counter() - self.start),
+            "ttft_s": _round(self.ttft_s),
+            "e2e_s": _round(time.perf_counter() - self.start),
             "prepare_s": _round(self.prepare_s),
-            "replica_ttft_s": _round(self.replica_ttft_s), "from_replica_s": _round(self.from_replica_s),
+            "replica_ttft_s": _round(self.replica_ttft_s),
+            "from_replica_s": _round(self.from_replica_s),
             "replica_id": out.replica_id if out else None,
         }
         logger.info(json.dumps(line, separators=(",", ":")))

@@ -5,6 +5,7 @@ the replica still has requests in flight, checking every `graceful_shutdown_wait
 `graceful_shutdown_timeout_s`; only then is the actor killed. The window must cover the longest
 request the engine admits: up to max_model_len tokens generated at a full batch's step time.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,10 @@ def model_len(engine: EngineConfig) -> int:
     try:
         config = model_config(engine.model)
     except OSError as e:  # a hub model whose config this node cannot fetch
-        raise ValueError(f"cannot read the config of model {engine.model!r} to size the shutdown window "
-                         f"({e}); set engine.max_model_len or replica.graceful_shutdown_timeout_s") from None
+        raise ValueError(
+            f"cannot read the config of model {engine.model!r} to size the shutdown window "
+            f"({e}); set engine.max_model_len or replica.graceful_shutdown_timeout_s"
+        ) from None
     return context_length(config, engine.max_model_len)
 
 

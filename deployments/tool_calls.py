@@ -3,6 +3,7 @@
 
 Parsing a model's output into tool calls (auto, and the constrained modes) is deployments/tool_parsers.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,6 +64,7 @@ class FunctionCallDelta(BaseModel):
 class ToolCallDelta(BaseModel):
     """One streamed piece of a call; dump with exclude_none=True so later pieces carry only
     index and function.arguments, as OpenAI's chunks do."""
+
     index: int
     id: Optional[str] = None
     type: Optional[Literal["function"]] = None
@@ -98,8 +100,9 @@ def check_tool_choice(tools, tool_choice) -> None:
         if not tools:
             raise ValueError(f"tool_choice names function {tool_choice.function.name!r} but no tools are given")
         if tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names function {tool_choice.function.name!r}, "
-                             f"which is not in tools ({', '.join(names)})")
+            raise ValueError(
+                f"tool_choice names function {tool_choice.function.name!r}, which is not in tools ({', '.join(names)})"
+            )
 
 
 def _parameters(function: FunctionDefinition) -> dict:
@@ -115,10 +118,15 @@ def constraint_schema(tools, tool_choice, parallel_tool_calls: bool = True) -> O
         return _parameters(next(t.function for t in tools if t.function.name == tool_choice.function.name))
     if tool_choice != "required":
         return None
-    calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                             "arguments": _parameters(t.function)},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [t.function.name]}, "arguments": _parameters(t.function)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
@@ -126,6 +134,7 @@ def constraint_schema(tools, tool_choice, parallel_tool_calls: bool = True) -> O
 
 
 # ---- the prompt ----------------------------------------------------------------------------------
+
 
 def template_knows_tools(tokenizer) -> bool:
     source = tokenizer.chat_template or ""
@@ -149,9 +158,10 @@ def _hf_message(message: dict) -> dict:
     if out.get("content") is None:
         out["content"] = ""
     if out.get("tool_calls"):
-        out["tool_calls"] = [{**c, "function": {**c["function"],
-                                                "arguments": _decoded_arguments(c["function"].get("arguments"))}}
-                             for c in out["tool_calls"]]
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": _decoded_arguments(c["function"].get("arguments"))}}
+            for c in out["tool_calls"]
+        ]
     return out
 
 
@@ -160,7 +170,8 @@ HERMES_TOOLS_PROMPT = (
     "The functions' signatures are inside <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
     "To call a function, answer with a JSON object holding its name and arguments inside "
     "<tool_call></tool_call> XML tags, one per call:\n"
-    '<tool_call>\n{{"name": <function-name>, "arguments": <arguments-json-object>}}\n</tool_call>')
+    '<tool_call>\n{{"name": <function-name>, "arguments": <arguments-json-object>}}\n</tool_call>'
+)
 
 
 def _hermes_call_text(call: dict) -> str:
@@ -201,7 +212,9 @@ def render_chat(tokenizer, messages: List[dict], tools=None) -> str:
     tool_dicts = [t.model_dump(exclude_none=True) for t in as_tools(tools)]
     if template_knows_tools(tokenizer):
         extra = {"tools": tool_dicts} if tool_dicts else {}
-        return tokenizer.apply_chat_template([_hf_message(m) for m in messages], tokenize=False,
-                                             add_generation_prompt=True, **extra)
-    return tokenizer.apply_chat_template(_hermes_messages(messages, tool_dicts), tokenize=False,
-                                         add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [_hf_message(m) for m in messages], tokenize=False, add_generation_prompt=True, **extra
+        )
+    return tokenizer.apply_chat_template(
+        _hermes_messages(messages, tool_dicts), tokenize=False, add_generation_prompt=True
+    )

@@ -9,6 +9,7 @@ out malformed after that (e.g. cut by max_tokens) ends with the arguments sent s
 non-streamed parse would return its text as content. Malformed calls caught before their name is
 sent (not JSON, no name) stream as content, like the parse.
 """
+
 from __future__ import annotations
 
 import json
@@ -165,7 +166,7 @@ def call_from_object(text: str, arg_keys: Tuple[str, ...] = ("arguments",)) -> O
     name = scan.name if scan.name is not None else obj["name"]
     if scan.args_start is None:
         return name, "{}"
-    raw = text[scan.args_start:scan.args_end]
+    raw = text[scan.args_start : scan.args_end]
     value = json.loads(raw)
     if isinstance(value, dict):
         return name, raw  # the model's own text: what streaming sends
@@ -187,13 +188,14 @@ class CallStream:
     def delta(self, arguments: str, name: Optional[str] = None) -> ToolCallDelta:
         if name is None:
             return ToolCallDelta(index=self.index, function=FunctionCallDelta(arguments=arguments))
-        return ToolCallDelta(index=self.index, id=self.id, type="function",
-                             function=FunctionCallDelta(name=name, arguments=arguments))
+        return ToolCallDelta(
+            index=self.index, id=self.id, type="function", function=FunctionCallDelta(name=name, arguments=arguments)
+        )
 
     def progress(self, text: str) -> List[ToolCallDelta]:
         if self.args_tail is not None:  # inside the arguments object: scan only the new text
             if self.args_tail.advance(text) is None:
-                return self._fragment(text[self.args_tail_start:])
+                return self._fragment(text[self.args_tail_start :])
             self.args_tail = None  # it closed: a full scan finds the end of the call
         self.scan = scan = _scan_call(text, self.arg_keys)
         # A complete object is left to complete(), which validates it before sending anything new.
@@ -201,7 +203,7 @@ class CallStream:
             return []
         arguments = ""
         if scan.args_start is not None and text[scan.args_start] == "{":
-            arguments = text[scan.args_start:scan.args_end or len(text)]
+            arguments = text[scan.args_start : scan.args_end or len(text)]
             if scan.args_end is None:  # rescanning the call on every delta would be quadratic
                 self.args_tail, self.args_tail_start = _BracketScan(scan.args_start), scan.args_start
                 self.args_tail.advance(text)
@@ -212,7 +214,7 @@ class CallStream:
 
     def _fragment(self, arguments: str) -> List[ToolCallDelta]:
         """The part of `arguments` (the text so far) not sent yet."""
-        fragment = arguments[len(self.sent_args):]
+        fragment = arguments[len(self.sent_args) :]
         self.sent_args = arguments
         return [self.delta(fragment)] if fragment else []
 
@@ -225,7 +227,7 @@ class CallStream:
         if not self.sent_name:
             self.sent_name, self.sent_args = True, arguments
             return [self.delta(arguments, name)], True
-        rest = arguments[len(self.sent_args):] if arguments.startswith(self.sent_args) else ""
+        rest = arguments[len(self.sent_args) :] if arguments.startswith(self.sent_args) else ""
         self.sent_args += rest
         return ([self.delta(rest)] if rest else []), True
 

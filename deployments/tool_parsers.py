@@ -5,20 +5,32 @@ Every streamer's output, however the text is split into deltas, reassembles to w
 parse returns (see deployments/tool_json.py for the one exception: calls that break after their
 name was sent).
 """
+
 from __future__ import annotations
 
 import json
 from typing import List, Optional, Tuple
 
 from deployments.tool_calls import FunctionCall, NamedToolChoice, ToolCall, ToolCallDelta, as_tool_choice
-from deployments.tool_json import (CallStream, ContentOut, ParsedToolOutput, StreamPiece, call_from_object,
-                                   content_or_none, holdback, skip_ws, tool_call, value_end)
+from deployments.tool_json import (
+    CallStream,
+    ContentOut,
+    ParsedToolOutput,
+    StreamPiece,
+    call_from_object,
+    content_or_none,
+    holdback,
+    skip_ws,
+    tool_call,
+    value_end,
+)
 
 _ARGUMENTS = ("arguments",)
 
 
-def _parse_sequence(text: str, i: int, open_ch: Optional[str], sep: str, close_ch: Optional[str],
-                    arg_keys: Tuple[str, ...]) -> Optional[List[Tuple[str, str]]]:
+def _parse_sequence(
+    text: str, i: int, open_ch: Optional[str], sep: str, close_ch: Optional[str], arg_keys: Tuple[str, ...]
+) -> Optional[List[Tuple[str, str]]]:
     """Call objects laid out as [open] obj (sep obj)* [close]; None unless all of text is that."""
     calls: List[Tuple[str, str]] = []
     if open_ch:
@@ -51,8 +63,9 @@ def _parse_sequence(text: str, i: int, open_ch: Optional[str], sep: str, close_c
 class _SequenceStream:
     """Streams the calls of _parse_sequence's layout."""
 
-    def __init__(self, open_ch: Optional[str], sep: str, close_ch: Optional[str], arg_keys: Tuple[str, ...],
-                 pos: int = 0):
+    def __init__(
+        self, open_ch: Optional[str], sep: str, close_ch: Optional[str], arg_keys: Tuple[str, ...], pos: int = 0
+    ):
         self.open_ch, self.sep, self.close_ch, self.arg_keys = open_ch, sep, close_ch, arg_keys
         self.text, self.pos, self.obj_start = "", pos, 0
         self.phase = "open" if open_ch else "object"
@@ -71,12 +84,12 @@ class _SequenceStream:
         out: List[ToolCallDelta] = []
         while self.phase not in ("done", "failed"):
             if self.phase == "in_object":
-                call, body = self.calls[-1], self.text[self.obj_start:]
+                call, body = self.calls[-1], self.text[self.obj_start :]
                 out += call.progress(body)
                 if call.scan.failed:
                     self.phase = "failed"
                 elif call.scan.end is not None:
-                    deltas, valid = call.complete(body[:call.scan.end])
+                    deltas, valid = call.complete(body[: call.scan.end])
                     out += deltas
                     self.pos, self.phase = self.obj_start + call.scan.end, "after" if valid else "failed"
                     continue
@@ -103,6 +116,7 @@ class _SequenceStream:
 class HermesToolParser:
     """Hermes / Qwen2.5 / Qwen3: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number,
     with text around them. Content is the text outside the tags; a malformed call stays content."""
+
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> ParsedToolOutput:
@@ -114,9 +128,9 @@ class HermesToolParser:
                 content.append(text[i:])
                 return ParsedToolOutput(content_or_none("".join(content)), calls)
             content.append(text[i:start])
-            call = call_from_object(text[start + len(self.OPEN):end], _ARGUMENTS)
+            call = call_from_object(text[start + len(self.OPEN) : end], _ARGUMENTS)
             if call is None:
-                content.append(text[start:end + len(self.CLOSE)])
+                content.append(text[start : end + len(self.CLOSE)])
             else:
                 calls.append(tool_call(call))
             i = end + len(self.CLOSE)
@@ -143,7 +157,7 @@ class HermesStreamer:
                     self.pending = self.pending[cut:]
                     return piece
                 piece.content += self.content(self.pending[:start])
-                self.pending = self.pending[start + len(open_tag):]
+                self.pending = self.pending[start + len(open_tag) :]
                 self.call = CallStream(self.count, _ARGUMENTS)
                 continue
             end = self.pending.find(close_tag)
@@ -157,7 +171,7 @@ class HermesStreamer:
                 self.count += 1
             else:
                 piece.content += self.content(open_tag + body + close_tag)
-            self.pending, self.call = self.pending[end + len(close_tag):], None
+            self.pending, self.call = self.pending[end + len(close_tag) :], None
 
     def finish(self) -> StreamPiece:
         rest = self.pending if self.call is None else HermesToolParser.OPEN + self.pending
@@ -169,6 +183,7 @@ class HermesStreamer:
 class Llama3JsonToolParser:
     """Llama 3.1/3.2 JSON tool calling: the output is (after optional <|python_tag|>) one or more
     {"name": ..., "parameters": {...}} objects separated by ";". Anything else is content, whole."""
+
     TAG = "<|python_tag|>"
     ARG_KEYS = ("parameters", "arguments")
 

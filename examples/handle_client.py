@@ -8,6 +8,7 @@ Requests and responses are typed pydantic models (deployments/protocol.py): Gene
 GenerateResponse back (non-streaming) or GenerateChunk after GenerateChunk (streaming). Errors
 arrive as deployments.errors.APIError with an HTTP-like status_code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ def main() -> None:
     ray.init(address="auto", logging_level="ERROR", log_to_driver=False)  # joins the running cluster
     handle = serve.get_app_handle(args.app)
 
-    request = GenerateRequest(messages=[ChatMessage(role="user", content=args.prompt)],
-                              max_tokens=args.max_tokens, temperature=0.0)
+    request = GenerateRequest(
+        messages=[ChatMessage(role="user", content=args.prompt)], max_tokens=args.max_tokens, temperature=0.0
+    )
 
     # Non-streaming: one typed response.
     response: GenerateResponse = handle.generate.remote(request).result()
@@ -53,9 +55,17 @@ def main() -> None:
         print(f"[error]    {e.status_code} {e.code}: {e.message}")
 
     if args.json:
-        print(json.dumps({"text": response.text, "streamed_text": "".join(c.text for c in chunks),
-                          "num_chunks": len(chunks), "first_chunk_tokens": len(chunks[0].token_ids),
-                          "completion_tokens": response.completion_tokens}))
+        print(
+            json.dumps(
+                {
+                    "text": response.text,
+                    "streamed_text": "".join(c.text for c in chunks),
+                    "num_chunks": len(chunks),
+                    "first_chunk_tokens": len(chunks[0].token_ids),
+                    "completion_tokens": response.completion_tokens,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

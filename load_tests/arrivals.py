@@ -5,6 +5,7 @@ burstiness, as `vllm bench serve --burstiness` does: gaps ~ Gamma(shape=b, scale
 Poisson, b < 1 burstier (coefficient of variation 1/sqrt(b) > 1), b > 1 more regular. An infinite
 rate sends everything at t=0.
 """
+
 from __future__ import annotations
 
 import math

@@ -11,6 +11,7 @@ until the stream ends. Token counts come from the response's `usage` (asked for 
 (`tokens_from_usage` False). A request counts as failed with its HTTP status (0: no response) and the
 server's message, or with status 200 and an error when the stream broke off or carried an error event.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -131,8 +132,9 @@ def _error_message(raw: bytes) -> str:
     return (err.get("message") if isinstance(err, dict) else str(err))[:500]
 
 
-async def send_one(client, target: Target, model: str, payload, max_tokens: int, ignore_eos: bool,
-                   record: BenchRecord, t_run0: float) -> str:
+async def send_one(
+    client, target: Target, model: str, payload, max_tokens: int, ignore_eos: bool, record: BenchRecord, t_run0: float
+) -> str:
     """Sends one request, fills `record`, returns the answer's text."""
     url = f"{target.root}/v1/{'chat/completions' if target.api == 'chat' else 'completions'}"
     body = request_body(target, model, payload, max_tokens, ignore_eos)
@@ -198,9 +200,18 @@ def think_times(think_s: float, seed: int, index: int, turns: int) -> List[float
     return [0.0] + [rng.expovariate(1.0 / think_s) if think_s > 0 else 0.0 for _ in range(turns - 1)]
 
 
-async def _session(client, target: Target, model: str, index: int, req: BenchRequest,
-                   timeout_s: float, t_run0: float, records: List[BenchRecord], on_done,
-                   think: Sequence[float] = ()) -> None:
+async def _session(
+    client,
+    target: Target,
+    model: str,
+    index: int,
+    req: BenchRequest,
+    timeout_s: float,
+    t_run0: float,
+    records: List[BenchRecord],
+    on_done,
+    think: Sequence[float] = (),
+) -> None:
     """All turns of one BenchRequest, in order, each `think[turn]` seconds after the last answer;
     a failed turn ends the chat."""
     history = list(req.messages or ([{"role": "user", "content": req.prompt}] if isinstance(req.prompt, str) else []))
@@ -214,7 +225,8 @@ async def _session(client, target: Target, model: str, index: int, req: BenchReq
         payload = history if target.api == "chat" else req.prompt
         try:
             answer = await asyncio.wait_for(
-                send_one(client, target, model, payload, req.max_tokens, req.ignore_eos, record, t_run0), timeout_s)
+                send_one(client, target, model, payload, req.max_tokens, req.ignore_eos, record, t_run0), timeout_s
+            )
             record.output_text = answer
         except asyncio.TimeoutError:
             record.error = f"timeout after {timeout_s:g} s"
@@ -236,10 +248,18 @@ async def resolve_model(client, target: Target) -> str:
     return r.json()["data"][0]["id"]
 
 
-async def run_load(target: Target, requests: Sequence[BenchRequest], arrivals: Optional[Sequence[float]] = None,
-                   max_concurrency: Optional[int] = None, duration_s: Optional[float] = None,
-                   timeout_s: float = 600.0, progress: bool = False, client=None, think_s: float = 0.0,
-                   seed: int = 0) -> LoadResult:
+async def run_load(
+    target: Target,
+    requests: Sequence[BenchRequest],
+    arrivals: Optional[Sequence[float]] = None,
+    max_concurrency: Optional[int] = None,
+    duration_s: Optional[float] = None,
+    timeout_s: float = 600.0,
+    progress: bool = False,
+    client=None,
+    think_s: float = 0.0,
+    seed: int = 0,
+) -> LoadResult:
     """Sends `requests` (request i at `arrivals[i]` seconds from the start; None: all at once), at most
     `max_concurrency` in flight (chats hold their slot for all their turns), none started after
     `duration_s`; each request gets `timeout_s`. A chat's user thinks a while before each later turn
@@ -252,8 +272,10 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], arrivals: O
     own = client is None
     if own:
         conns = max_concurrency or len(requests)
-        client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0),
-                                   limits=httpx.Limits(max_connections=conns + 8, max_keepalive_connections=conns + 8))
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=30.0),
+            limits=httpx.Limits(max_connections=conns + 8, max_keepalive_connections=conns + 8),
+        )
     # A lazy sequence (a trace's requests) tells its count: summing would build every prompt first.
     turns = getattr(requests, "total_turns", None)
     bar = _progress(turns if turns is not None else sum(r.num_turns for r in requests), progress)

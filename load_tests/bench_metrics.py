@@ -5,6 +5,7 @@ gap between streamed chunks, pooled over requests; throughput = completed reques
 over the run's duration; goodput = completed requests per second that met every SLO given. Percentiles
 interpolate linearly between order statistics (numpy's default), so they can be checked against the records.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,29 +57,38 @@ def meets_slos(record: BenchRecord, slos: Dict[str, float]) -> bool:
     return True
 
 
-def summarize(records: Sequence[BenchRecord], duration_s: float, slos: Optional[Dict[str, float]] = None,
-              percentiles: Sequence[float] = PERCENTILES) -> dict:
+def summarize(
+    records: Sequence[BenchRecord],
+    duration_s: float,
+    slos: Optional[Dict[str, float]] = None,
+    percentiles: Sequence[float] = PERCENTILES,
+) -> dict:
     """The summary of one run (see the module doc); `slos` in milliseconds by name (ttft, tpot, e2el)."""
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
     dur = max(duration_s, 1e-9)
-    failures = [{"index": r.index, "turn": r.turn, "status": r.status, "error": r.error}
-                for r in records if not r.ok]
+    failures = [{"index": r.index, "turn": r.turn, "status": r.status, "error": r.error} for r in records if not r.ok]
     by_status: Dict[str, int] = {}
     for f in failures:
         by_status[str(f["status"])] = by_status.get(str(f["status"]), 0) + 1
     summary = {
-        "requests": len(records), "completed": len(ok), "failed": len(failures), "duration_s": duration_s,
-        "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
-        "request_throughput": len(ok) / dur, "output_throughput": out_tokens / dur,
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(failures),
+        "duration_s": duration_s,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "request_throughput": len(ok) / dur,
+        "output_throughput": out_tokens / dur,
         "total_token_throughput": (prompt_tokens + out_tokens) / dur,
         "tokens_from_usage": all(r.tokens_from_usage for r in ok),
         "ttft_ms": distribution_ms([r.ttft_s for r in ok if r.ttft_s is not None], percentiles),
         "tpot_ms": distribution_ms([r.tpot_s for r in ok if r.tpot_s is not None], percentiles),
         "itl_ms": distribution_ms([x for r in ok for x in r.itl_s], percentiles),
         "e2e_ms": distribution_ms([r.e2e_s for r in ok], percentiles),
-        "failures_by_status": by_status, "failures": failures,
+        "failures_by_status": by_status,
+        "failures": failures,
     }
     if slos:
         good = sum(meets_slos(r, slos) for r in records)
@@ -95,14 +105,16 @@ def _ms(x: Optional[float]) -> str:
 
 def format_summary(s: dict, title: str = "load test") -> str:
     """A readable block, in the spirit of vllm bench serve's."""
-    lines = [f"{'=' * 20} {title} {'=' * 20}",
-             f"{'requests sent / completed / failed':40s} {s['requests']} / {s['completed']} / {s['failed']}",
-             f"{'duration (s)':40s} {s['duration_s']:.2f}",
-             f"{'prompt / output tokens':40s} {s['prompt_tokens']} / {s['output_tokens']}"
-             + ("" if s["tokens_from_usage"] else "  (output: counted chunks, no usage)"),
-             f"{'request throughput (req/s)':40s} {s['request_throughput']:.2f}",
-             f"{'output token throughput (tok/s)':40s} {s['output_throughput']:.1f}",
-             f"{'total token throughput (tok/s)':40s} {s['total_token_throughput']:.1f}"]
+    lines = [
+        f"{'=' * 20} {title} {'=' * 20}",
+        f"{'requests sent / completed / failed':40s} {s['requests']} / {s['completed']} / {s['failed']}",
+        f"{'duration (s)':40s} {s['duration_s']:.2f}",
+        f"{'prompt / output tokens':40s} {s['prompt_tokens']} / {s['output_tokens']}"
+        + ("" if s["tokens_from_usage"] else "  (output: counted chunks, no usage)"),
+        f"{'request throughput (req/s)':40s} {s['request_throughput']:.2f}",
+        f"{'output token throughput (tok/s)':40s} {s['output_throughput']:.1f}",
+        f"{'total token throughput (tok/s)':40s} {s['total_token_throughput']:.1f}",
+    ]
     if "goodput" in s:
         g = s["goodput"]
         slos = " ".join(f"{k}<={v:g}ms" for k, v in g["slos_ms"].items())
@@ -125,8 +137,10 @@ def format_summary(s: dict, title: str = "load test") -> str:
 
 def format_sweep(rows: List[dict]) -> str:
     """One line per run of a sweep: rows carry 'label', 'rate' and 'summary'."""
-    head = (f"{'system':22s} {'rate':>6s} {'done':>5s} {'fail':>4s} {'req/s':>6s} {'out tok/s':>9s} {'goodput':>7s} "
-            f"{'TTFT p50':>8s} {'TTFT p99':>8s} {'TPOT p50':>8s} {'TPOT p99':>8s} {'e2e p50':>8s} {'e2e p99':>8s}")
+    head = (
+        f"{'system':22s} {'rate':>6s} {'done':>5s} {'fail':>4s} {'req/s':>6s} {'out tok/s':>9s} {'goodput':>7s} "
+        f"{'TTFT p50':>8s} {'TTFT p99':>8s} {'TPOT p50':>8s} {'TPOT p99':>8s} {'e2e p50':>8s} {'e2e p99':>8s}"
+    )
     lines = [head]
     for row in rows:
         s = row["summary"]
@@ -135,5 +149,6 @@ def format_sweep(rows: List[dict]) -> str:
             f"{row['label']:22s} {row['rate']:>6g} {s['completed']:>5d} {s['failed']:>4d} {s['request_throughput']:>6.2f} "
             f"{s['output_throughput']:>9.1f} {good:>7s} {_ms(s['ttft_ms']['p50']):>8s} {_ms(s['ttft_ms']['p99']):>8s} "
             f"{_ms(s['tpot_ms']['p50']):>8s} {_ms(s['tpot_ms']['p99']):>8s} {_ms(s['e2e_ms']['p50']):>8s} "
-            f"{_ms(s['e2e_ms']['p99']):>8s}")
+            f"{_ms(s['e2e_ms']['p99']):>8s}"
+        )
     return "\n".join(lines)

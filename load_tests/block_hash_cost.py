@@ -7,6 +7,7 @@ request), and the engine's per-step hashing in a decode batch (BlockManager.cach
 every running sequence, a block filling every block_size steps). The tuple hash is timed here only
 as the baseline it was.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ from batcher.sequence import Sequence
 def tuple_chain(tokens, block_size: int) -> list:
     out, parent = [], -1
     for i in range((len(tokens) - 1) // block_size):
-        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
         out.append(parent)
     return out
 
@@ -71,22 +72,33 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default="results/block_hash_cost.json", help="where the figures go as JSON")
     args = ap.parse_args(argv)
     bs, tokens, root = args.block_size, list(range(1000, 1000 + args.prompt_tokens)), root_hash("bench")
-    block = tokens[:bs + 1]
+    block = tokens[: bs + 1]
     rows = {
-        "one block, us": (best_of(lambda: tuple_chain(block, bs), number=2000) * 1e6,
-                          best_of(lambda: cacheable_block_hashes(block, bs, root), number=2000) * 1e6),
-        f"{args.prompt_tokens}-token prompt, us": (best_of(lambda: tuple_chain(tokens, bs)) * 1e6,
-                                                  best_of(lambda: cacheable_block_hashes(tokens, bs, root)) * 1e6),
+        "one block, us": (
+            best_of(lambda: tuple_chain(block, bs), number=2000) * 1e6,
+            best_of(lambda: cacheable_block_hashes(block, bs, root), number=2000) * 1e6,
+        ),
+        f"{args.prompt_tokens}-token prompt, us": (
+            best_of(lambda: tuple_chain(tokens, bs)) * 1e6,
+            best_of(lambda: cacheable_block_hashes(tokens, bs, root)) * 1e6,
+        ),
     }
     step = min(decode_step_seconds(args.batch, bs, 512) for _ in range(5)) * 1e6
     print(f"{'':34} {'tuple hash':>11} {'SHA-256':>9}")
     for name, (old, new) in rows.items():
         print(f"{name:34} {old:11.1f} {new:9.1f}")
-    print(f"{'decode step, ' + str(args.batch) + ' sequences, us':34} {'':>11} {step:9.1f}"
-          "  (cache_full_blocks over the batch, SHA-256)")
-    out = {"block_size": bs, "prompt_tokens": args.prompt_tokens, "batch": args.batch,
-           "tuple_us": {k: v[0] for k, v in rows.items()}, "sha256_us": {k: v[1] for k, v in rows.items()},
-           "decode_step_hash_us": step}
+    print(
+        f"{'decode step, ' + str(args.batch) + ' sequences, us':34} {'':>11} {step:9.1f}"
+        "  (cache_full_blocks over the batch, SHA-256)"
+    )
+    out = {
+        "block_size": bs,
+        "prompt_tokens": args.prompt_tokens,
+        "batch": args.batch,
+        "tuple_us": {k: v[0] for k, v in rows.items()},
+        "sha256_us": {k: v[1] for k, v in rows.items()},
+        "decode_step_hash_us": step,
+    }
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -10,6 +10,7 @@ offline, no Serve. A warm-up at full load (compiles), then `--light` requests ke
 poll does), then `max_num_seqs` kept running for `--seconds`, counting completions. Prompts of about
 100 tokens, unique (no prefix shared) unless `--shared`; answers of `--max-tokens` (ignore_eos).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,11 +84,22 @@ def main(argv: Optional[list] = None) -> dict:
     keep_running(engine, make_request, full, min(args.warmup_s, args.seconds))  # settle into full
     full_rps = keep_running(engine, make_request, full, args.seconds)
     size = meter.request_size() or (float("nan"), float("nan"))
-    result = {"model": cfg.engine.model, "max_num_seqs": full, "light": args.light, "shared_prompts": args.shared,
-              "prompt_tokens_computed": size[0], "tokens_generated": size[1], "light_rps": light_rps,
-              "capacity_estimate_rps": estimate, "full_rps": full_rps, "estimate_over_full": estimate / full_rps}
-    print(f"{cfg.engine.model}, {full} slots, prompts {'shared' if args.shared else 'unique'}: "
-          f"{size[0]:.0f} prompt tokens computed and {size[1]:.0f} generated per request")
+    result = {
+        "model": cfg.engine.model,
+        "max_num_seqs": full,
+        "light": args.light,
+        "shared_prompts": args.shared,
+        "prompt_tokens_computed": size[0],
+        "tokens_generated": size[1],
+        "light_rps": light_rps,
+        "capacity_estimate_rps": estimate,
+        "full_rps": full_rps,
+        "estimate_over_full": estimate / full_rps,
+    }
+    print(
+        f"{cfg.engine.model}, {full} slots, prompts {'shared' if args.shared else 'unique'}: "
+        f"{size[0]:.0f} prompt tokens computed and {size[1]:.0f} generated per request"
+    )
     print(f"{'phase':<22} {'running':>7} {'req/s':>7}")
     print(f"{'light (completed)':<22} {args.light:>7} {light_rps:>7.2f}")
     print(f"{'light (capacity est.)':<22} {full:>7} {estimate:>7.2f}")

@@ -1,5 +1,6 @@
 """This project's engine (batcher.LLMEngine) as a benchmark system: static or continuous scheduling,
 with the eager fp32 forward (the reference the engine had before the fast forward) or the fast one."""
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,15 @@ class EngineSystem:
     recur across caps, so cached blocks from an earlier run would flatter later ones.
     """
 
-    def __init__(self, model: str, budgets: Budgets, scheduling: str, static_batch_size: int = 16,
-                 fast: bool = False, quantization: Optional[str] = None):
+    def __init__(
+        self,
+        model: str,
+        budgets: Budgets,
+        scheduling: str,
+        static_batch_size: int = 16,
+        fast: bool = False,
+        quantization: Optional[str] = None,
+    ):
         from batcher import EngineConfig, LLMEngine
 
         self.name = "engine_fast" if fast else f"engine_{scheduling}"
@@ -67,9 +75,7 @@ class EngineSystem:
             "step_share": step_time / wall if wall > 0 else 0.0,
             "kv_slot_use": (after.kv_slot_use_sum - before.kv_slot_use_sum) / steps if steps else 0.0,
             "preemptions": after.preemptions - before.preemptions,
-            "mean_tokens_per_step": (
-                (after.tokens_computed - before.tokens_computed) / steps if steps else 0.0
-            ),
+            "mean_tokens_per_step": ((after.tokens_computed - before.tokens_computed) / steps if steps else 0.0),
         }
         return RunResult(wall, [list(c.token_ids) for c in completions], metrics)
 

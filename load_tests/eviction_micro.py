@@ -11,6 +11,7 @@ replica on an H100 prefilling ~20,000 uncached tokens a second into a full cache
 evicts ~1,250 blocks a second (arithmetic from the preset, not a measured GPU). `--ray` also times a
 broadcast through a local Ray actor call, started and stopped by this run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,14 @@ def _hashes(n: int) -> List[bytes]:
     return [os.urandom(32) for _ in range(n)]
 
 
-def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, seconds: int,
-            stride: int = DEFAULT_INDEX_STRIDE_BLOCKS) -> Tuple[dict, list]:
+def measure(
+    replicas: int,
+    evicted_per_s: int,
+    kv_blocks: int,
+    period_s: float,
+    seconds: int,
+    stride: int = DEFAULT_INDEX_STRIDE_BLOCKS,
+) -> Tuple[dict, list]:
     """One fleet's run: its figures, and the last broadcast (for `ray_call_ms`). `stride`: the index
     keeps one block of a chain in this many, and the replicas log only those (deployments.app)."""
     # Room for the blocks evicted since the last report read: the feed, not the index's own LRU, drops
@@ -88,15 +95,25 @@ def measure(replicas: int, evicted_per_s: int, kv_blocks: int, period_s: float, 
             feed.read(rid, stats)
         loads_s, router_s = loads_s + t1 - t0, router_s + time.perf_counter() - t1
     per_s = 1e3 / seconds
-    return {"replicas": replicas, "stride": stride, "evicted_per_s": evicted_per_s, "kv_blocks": kv_blocks, "period_s": period_s,
-            "seconds": seconds, "report_bytes_p50": statistics.median(report_bytes),
-            "broadcast_bytes_p50": statistics.median(broadcast_bytes), "broadcasts_per_s": broadcasts / seconds,
-            "router_bytes_per_s": sum(broadcast_bytes) / seconds,
-            "engine_log_us_per_block": engine_s / (seconds * evicted_per_s * replicas) * 1e6,
-            "replica_cut_ms_per_report": cut_s / len(report_bytes) * 1e3,
-            "controller_dumps_ms_per_s": dumps_s * per_s, "router_loads_ms_per_s": loads_s * per_s,
-            "router_feed_ms_per_s": router_s * per_s,
-            "dropped_per_s": feed.dropped / seconds, "gaps": feed.gaps}, broadcast
+    return {
+        "replicas": replicas,
+        "stride": stride,
+        "evicted_per_s": evicted_per_s,
+        "kv_blocks": kv_blocks,
+        "period_s": period_s,
+        "seconds": seconds,
+        "report_bytes_p50": statistics.median(report_bytes),
+        "broadcast_bytes_p50": statistics.median(broadcast_bytes),
+        "broadcasts_per_s": broadcasts / seconds,
+        "router_bytes_per_s": sum(broadcast_bytes) / seconds,
+        "engine_log_us_per_block": engine_s / (seconds * evicted_per_s * replicas) * 1e6,
+        "replica_cut_ms_per_report": cut_s / len(report_bytes) * 1e3,
+        "controller_dumps_ms_per_s": dumps_s * per_s,
+        "router_loads_ms_per_s": loads_s * per_s,
+        "router_feed_ms_per_s": router_s * per_s,
+        "dropped_per_s": feed.dropped / seconds,
+        "gaps": feed.gaps,
+    }, broadcast
 
 
 def ray_call_ms(broadcast: list, calls: int = 40) -> float:
@@ -127,22 +144,37 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     p = argparse.ArgumentParser(prog="python -m load_tests.eviction_micro", description=__doc__.splitlines()[0])
     p.add_argument("--replicas", default="4,16,64")
     p.add_argument("--evicted-per-s", type=int, default=1250, help="blocks each replica evicts a second")
-    p.add_argument("--kv-blocks", type=int, default=28000,
-                   help="each replica's cache (an 8B on an H100: ~28,000 blocks of 16 tokens)")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=28000,
+        help="each replica's cache (an 8B on an H100: ~28,000 blocks of 16 tokens)",
+    )
     p.add_argument("--period-s", type=float, default=1.0, help="request_routing_stats_period_s")
     p.add_argument("--seconds", type=int, default=10, help="fleet time simulated")
-    p.add_argument("--stride", type=int, default=DEFAULT_INDEX_STRIDE_BLOCKS,
-                   help="the index keeps one block of a chain in this many and the "
-                   "replicas log only those (default: LLMRouter's, 4: 32 tokens of 8-token blocks); 1: every block")
-    p.add_argument("--ray", action="store_true", help="also time each broadcast through a local Ray actor call, "
-                   "with and without the evictions (starts Ray on this machine, stops it after)")
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=DEFAULT_INDEX_STRIDE_BLOCKS,
+        help="the index keeps one block of a chain in this many and the "
+        "replicas log only those (default: LLMRouter's, 4: 32 tokens of 8-token blocks); 1: every block",
+    )
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="also time each broadcast through a local Ray actor call, "
+        "with and without the evictions (starts Ray on this machine, stops it after)",
+    )
     p.add_argument("--json", default="", help="write the rows here too")
     args = p.parse_args(argv)
     if args.ray:
         import ray
+
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    print(f"{'replicas':>8} {'evict/s':>8} {'report':>8} {'broadcast':>10} {'per router':>11} {'bcasts/s':>8} "
-          f"{'log/block':>10} {'cut':>7} {'controller':>11} {'router loads':>13} {'feed':>10} {'Ray +':>10}")
+    print(
+        f"{'replicas':>8} {'evict/s':>8} {'report':>8} {'broadcast':>10} {'per router':>11} {'bcasts/s':>8} "
+        f"{'log/block':>10} {'cut':>7} {'controller':>11} {'router loads':>13} {'feed':>10} {'Ray +':>10}"
+    )
     rows = []
     try:
         for n in map(int, args.replicas.split(",")):
@@ -154,11 +186,13 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
                 r["ray_ms_per_s"] = (r["ray_call_ms"] - r["ray_call_ms_without_evictions"]) * r["broadcasts_per_s"]
                 ray_extra = f"{r['ray_ms_per_s']:>6.1f}ms/s"
             rows.append(r)
-            print(f"{n:>8} {r['evicted_per_s']:>8} {r['report_bytes_p50'] / 1e3:>6.1f}KB "
-                  f"{r['broadcast_bytes_p50'] / 1e3:>8.0f}KB {r['router_bytes_per_s'] / 1e6:>7.2f}MB/s "
-                  f"{r['broadcasts_per_s']:>8.1f} {r['engine_log_us_per_block']:>8.2f}us "
-                  f"{r['replica_cut_ms_per_report']:>5.2f}ms {r['controller_dumps_ms_per_s']:>7.1f}ms/s "
-                  f"{r['router_loads_ms_per_s']:>9.1f}ms/s {r['router_feed_ms_per_s']:>6.1f}ms/s {ray_extra:>10}")
+            print(
+                f"{n:>8} {r['evicted_per_s']:>8} {r['report_bytes_p50'] / 1e3:>6.1f}KB "
+                f"{r['broadcast_bytes_p50'] / 1e3:>8.0f}KB {r['router_bytes_per_s'] / 1e6:>7.2f}MB/s "
+                f"{r['broadcasts_per_s']:>8.1f} {r['engine_log_us_per_block']:>8.2f}us "
+                f"{r['replica_cut_ms_per_report']:>5.2f}ms {r['controller_dumps_ms_per_s']:>7.1f}ms/s "
+                f"{r['router_loads_ms_per_s']:>9.1f}ms/s {r['router_feed_ms_per_s']:>6.1f}ms/s {ray_extra:>10}"
+            )
     finally:
         if args.ray:
             ray.shutdown()

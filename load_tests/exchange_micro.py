@@ -12,6 +12,7 @@ figure that matters: a router must know the others' sends within ~10 ms, docs/ro
 every send reached every other router. No Serve, no replicas, no decisions: the exchange alone.
 Starts a local Ray and stops it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,27 +57,56 @@ class RouterHost:
                     got["lag_s"].append(time.time() - sent.routed_at)
                 elif extends is not None:
                     got["answers"] += 1
+
             sync.start(apply)
             self.syncs.append(sync)
             self.received.append(got)
 
-    async def run(self, requests_per_s: float, prompt_blocks: int, answer_blocks: int, answer_after_s: float,
-                  seconds: float, seed: int) -> dict:
+    async def run(
+        self,
+        requests_per_s: float,
+        prompt_blocks: int,
+        answer_blocks: int,
+        answer_after_s: float,
+        seconds: float,
+        seed: int,
+    ) -> dict:
         for got in self.received:  # what came before the run (none expected): not counted
             got.update(sends=0, answers=0, lag_s=[])
         cpu0 = time.process_time()
-        sent = await asyncio.gather(*(self._send(sync, requests_per_s, prompt_blocks, answer_blocks,
-                                                  answer_after_s, seconds, random.Random(seed * 1000 + i))
-                                      for i, sync in enumerate(self.syncs)))
+        sent = await asyncio.gather(
+            *(
+                self._send(
+                    sync,
+                    requests_per_s,
+                    prompt_blocks,
+                    answer_blocks,
+                    answer_after_s,
+                    seconds,
+                    random.Random(seed * 1000 + i),
+                )
+                for i, sync in enumerate(self.syncs)
+            )
+        )
         await asyncio.sleep(DRAIN_S)
-        return {"sends": sum(sent), "received_sends": sum(g["sends"] for g in self.received),
-                "received_answers": sum(g["answers"] for g in self.received),
-                "lag_s": [lag for g in self.received for lag in g["lag_s"]],
-                "cpu_s": time.process_time() - cpu0}
+        return {
+            "sends": sum(sent),
+            "received_sends": sum(g["sends"] for g in self.received),
+            "received_answers": sum(g["answers"] for g in self.received),
+            "lag_s": [lag for g in self.received for lag in g["lag_s"]],
+            "cpu_s": time.process_time() - cpu0,
+        }
 
     @staticmethod
-    async def _send(sync, rate: float, prompt_blocks: int, answer_blocks: int, answer_after_s: float,
-                    seconds: float, rng: random.Random) -> int:
+    async def _send(
+        sync,
+        rate: float,
+        prompt_blocks: int,
+        answer_blocks: int,
+        answer_after_s: float,
+        seconds: float,
+        rng: random.Random,
+    ) -> int:
         from router.scoring import Routed
 
         loop, sent = asyncio.get_running_loop(), 0
@@ -88,14 +118,24 @@ class RouterHost:
             sync.learned(replica, prompt, sent=Routed(time.time(), prompt_blocks * 16, prompt_blocks * 8, rid))
             sent += 1
             answer = prompt + [os.urandom(32) for _ in range(answer_blocks)]
-            loop.call_later(rng.expovariate(1 / answer_after_s), sync.learned, replica, answer, None,
-                            (rid, prompt_blocks))
+            loop.call_later(
+                rng.expovariate(1 / answer_after_s), sync.learned, replica, answer, None, (rid, prompt_blocks)
+            )
         return sent
 
 
-def measure(routers: int, processes: int, requests_per_s: float, prompt_blocks: int, answer_blocks: int,
-            answer_after_s: float, seconds: float, share_index_s: float, seed: int,
-            stride: int = DEFAULT_INDEX_STRIDE_BLOCKS) -> dict:
+def measure(
+    routers: int,
+    processes: int,
+    requests_per_s: float,
+    prompt_blocks: int,
+    answer_blocks: int,
+    answer_after_s: float,
+    seconds: float,
+    share_index_s: float,
+    seed: int,
+    stride: int = DEFAULT_INDEX_STRIDE_BLOCKS,
+) -> dict:
     from router.index_exchange import board_stats
 
     deployment = f"exchange-micro/{routers}-routers-stride{stride}"
@@ -111,8 +151,12 @@ def measure(routers: int, processes: int, requests_per_s: float, prompt_blocks: 
             assert time.monotonic() < deadline, f"not every router subscribed within 30 s: {before}"
             time.sleep(0.05)
         t0 = time.monotonic()
-        runs = ray.get([h.run.remote(requests_per_s, prompt_blocks, answer_blocks, answer_after_s, seconds, seed + i)
-                        for i, h in enumerate(hosts)])
+        runs = ray.get(
+            [
+                h.run.remote(requests_per_s, prompt_blocks, answer_blocks, answer_after_s, seconds, seed + i)
+                for i, h in enumerate(hosts)
+            ]
+        )
         wall, after = time.monotonic() - t0, board_stats()
     finally:
         for h in hosts:
@@ -122,52 +166,89 @@ def measure(routers: int, processes: int, requests_per_s: float, prompt_blocks: 
     sends = sum(r["sends"] for r in runs)
     lags = sorted(lag for r in runs for lag in r["lag_s"])
     q = statistics.quantiles(lags, n=100) if len(lags) > 1 else [float("nan")] * 99
-    return {"routers": routers, "processes": len(hosts), "stride": stride, "requests_per_s_each": requests_per_s,
-            "prompt_blocks": prompt_blocks, "answer_blocks": answer_blocks, "seconds": seconds, "wall_s": wall,
-            "sends": sends, "expected_deliveries": sends * (routers - 1),
-            "delivered": sum(r["received_sends"] for r in runs),
-            "answers_delivered": sum(r["received_answers"] for r in runs),
-            "lag_ms_p50": q[49] * 1e3, "lag_ms_p90": q[89] * 1e3, "lag_ms_p99": q[98] * 1e3,
-            "board_cpu_share": (after["cpu_s"] - before["cpu_s"]) / wall,
-            "routers_cpu_share": sum(r["cpu_s"] for r in runs) / wall,
-            **{f"board_{k}_per_s": v / wall for k, v in delta.items()}}
+    return {
+        "routers": routers,
+        "processes": len(hosts),
+        "stride": stride,
+        "requests_per_s_each": requests_per_s,
+        "prompt_blocks": prompt_blocks,
+        "answer_blocks": answer_blocks,
+        "seconds": seconds,
+        "wall_s": wall,
+        "sends": sends,
+        "expected_deliveries": sends * (routers - 1),
+        "delivered": sum(r["received_sends"] for r in runs),
+        "answers_delivered": sum(r["received_answers"] for r in runs),
+        "lag_ms_p50": q[49] * 1e3,
+        "lag_ms_p90": q[89] * 1e3,
+        "lag_ms_p99": q[98] * 1e3,
+        "board_cpu_share": (after["cpu_s"] - before["cpu_s"]) / wall,
+        "routers_cpu_share": sum(r["cpu_s"] for r in runs) / wall,
+        **{f"board_{k}_per_s": v / wall for k, v in delta.items()},
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     p = argparse.ArgumentParser(prog="python -m load_tests.exchange_micro", description=__doc__.splitlines()[0])
     p.add_argument("--routers", default="2,4,8,16", help="ingress replicas (routers) sharing one deployment")
     p.add_argument("--processes", type=int, default=4, help="Ray actors the routers are spread over")
-    p.add_argument("--requests-per-s", type=float, default=10.0,
-                   help="each router's sends a second (Mooncake's trace over 2 ingress replicas: ~10)")
-    p.add_argument("--total-requests-per-s", type=float, default=0.0,
-                   help="if set, the fleet's sends a second, split evenly among the routers (instead of --requests-per-s)")
+    p.add_argument(
+        "--requests-per-s",
+        type=float,
+        default=10.0,
+        help="each router's sends a second (Mooncake's trace over 2 ingress replicas: ~10)",
+    )
+    p.add_argument(
+        "--total-requests-per-s",
+        type=float,
+        default=0.0,
+        help="if set, the fleet's sends a second, split evenly among the routers (instead of --requests-per-s)",
+    )
     p.add_argument("--prompt-blocks", type=int, default=270, help="a send's chain (the trace's ~4,300 tokens)")
     p.add_argument("--answer-blocks", type=int, default=16, help="an answer's blocks past its prompt")
     p.add_argument("--answer-after-s", type=float, default=1.0, help="mean time from a send to its answer")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--share-index-s", type=float, default=0.25, help="LLMRouterConfig.share_index_s")
-    p.add_argument("--stride", type=int, default=DEFAULT_INDEX_STRIDE_BLOCKS,
-                   help="the routers' indexes keep one block in this many, and "
-                   "entries carry those (default: LLMRouter's, 4: 32 tokens of 8-token blocks); 1: every block")
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=DEFAULT_INDEX_STRIDE_BLOCKS,
+        help="the routers' indexes keep one block in this many, and "
+        "entries carry those (default: LLMRouter's, 4: 32 tokens of 8-token blocks); 1: every block",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the rows here too")
     args = p.parse_args(argv)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"index of one block in {args.stride}")
-    print(f"{'routers':>7} {'req/s':>6} {'sends':>6} {'delivered':>10} {'lag p50':>8} {'p90':>7} {'p99':>8} "
-          f"{'board CPU':>9} {'pushes/s':>8} {'batches/s':>9} {'entries out/s':>13} {'routers CPU':>11}")
+    print(
+        f"{'routers':>7} {'req/s':>6} {'sends':>6} {'delivered':>10} {'lag p50':>8} {'p90':>7} {'p99':>8} "
+        f"{'board CPU':>9} {'pushes/s':>8} {'batches/s':>9} {'entries out/s':>13} {'routers CPU':>11}"
+    )
     rows = []
     try:
         for n in map(int, args.routers.split(",")):
             rate = args.total_requests_per_s / n if args.total_requests_per_s else args.requests_per_s
-            r = measure(n, args.processes, rate, args.prompt_blocks, args.answer_blocks,
-                        args.answer_after_s, args.seconds, args.share_index_s, args.seed, args.stride)
+            r = measure(
+                n,
+                args.processes,
+                rate,
+                args.prompt_blocks,
+                args.answer_blocks,
+                args.answer_after_s,
+                args.seconds,
+                args.share_index_s,
+                args.seed,
+                args.stride,
+            )
             rows.append(r)
-            print(f"{n:>7} {n * rate:>6.0f} {r['sends']:>6} "
-                  f"{r['delivered'] / max(1, r['expected_deliveries']):>9.1%} {r['lag_ms_p50']:>6.1f}ms "
-                  f"{r['lag_ms_p90']:>5.1f}ms {r['lag_ms_p99']:>6.1f}ms {r['board_cpu_share']:>9.1%} "
-                  f"{r['board_pushes_per_s']:>8.1f} {r['board_pulls_per_s']:>9.1f} "
-                  f"{r['board_entries_out_per_s']:>13.0f} {r['routers_cpu_share']:>11.1%}")
+            print(
+                f"{n:>7} {n * rate:>6.0f} {r['sends']:>6} "
+                f"{r['delivered'] / max(1, r['expected_deliveries']):>9.1%} {r['lag_ms_p50']:>6.1f}ms "
+                f"{r['lag_ms_p90']:>5.1f}ms {r['lag_ms_p99']:>6.1f}ms {r['board_cpu_share']:>9.1%} "
+                f"{r['board_pushes_per_s']:>8.1f} {r['board_pulls_per_s']:>9.1f} "
+                f"{r['board_entries_out_per_s']:>13.0f} {r['routers_cpu_share']:>11.1%}"
+            )
     finally:
         ray.shutdown()
     if args.json:

@@ -13,6 +13,7 @@ Then the batch-occupancy picture from real in-process engine traces (static next
 Writes PNGs, an HTML page and JSON under --out, prints the table and the targets. Bounded: a fixed
 number of requests per rate, a timeout per request; `--quick` for a smoke run of a minute or two.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,14 +43,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--rates", default="1,2,4,8", help="Poisson request rates (req/s), comma separated")
     p.add_argument("--num-requests", type=int, default=24, help="per rate, at least")
-    p.add_argument("--window-s", type=float, default=20.0,
-                   help="per rate: max(num-requests, rate x window) requests, so fast rates run long enough "
-                   "that the drain at the end does not dominate")
+    p.add_argument(
+        "--window-s",
+        type=float,
+        default=20.0,
+        help="per rate: max(num-requests, rate x window) requests, so fast rates run long enough "
+        "that the drain at the end does not dominate",
+    )
     p.add_argument("--input-len", type=int, default=64, help="prompt words (about one token each)")
     p.add_argument("--mean-output", type=float, default=32.0)
     p.add_argument("--cap", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch threads of the engine, and llama.cpp's threads (the peer uses all cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads of the engine, and llama.cpp's threads (the peer uses all cores)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--static-batch-size", type=int, default=16)
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:250"], metavar="NAME:MS")
@@ -69,9 +78,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def app_config(args, scheduling: str) -> dict:
-    engine = {"model": args.model, "device": "cpu", "dtype": "float32", "num_threads": args.threads,
-              "max_num_seqs": args.max_num_seqs, "scheduling": scheduling,
-              "static_batch_size": args.static_batch_size}
+    engine = {
+        "model": args.model,
+        "device": "cpu",
+        "dtype": "float32",
+        "num_threads": args.threads,
+        "max_num_seqs": args.max_num_seqs,
+        "scheduling": scheduling,
+        "static_batch_size": args.static_batch_size,
+    }
     return {"engine": engine, "replica": {"max_ongoing_requests": 1024, "max_queued_requests": 4096}}
 
 
@@ -85,14 +100,28 @@ def run_sweep(name: str, target: Target, requests, args, slos) -> List[dict]:
     rows = []
     for i, rate in enumerate(parse_rates(args.rates)):
         load0 = os.getloadavg()[0]
-        [row] = asyncio.run(sweep(target, requests[:requests_at(rate, args)], [rate], seed=args.seed,
-                                  timeout_s=args.timeout_s, slos=slos, warmup=0 if i else 8, label=name,
-                                  progress=sys.stderr.isatty(), echo=False))
+        [row] = asyncio.run(
+            sweep(
+                target,
+                requests[: requests_at(rate, args)],
+                [rate],
+                seed=args.seed,
+                timeout_s=args.timeout_s,
+                slos=slos,
+                warmup=0 if i else 8,
+                label=name,
+                progress=sys.stderr.isatty(),
+                echo=False,
+            )
+        )
         row["load_avg_1m_before"], row["load_avg_1m_after"] = load0, os.getloadavg()[0]
         rows.append(row)
         s = row["summary"]
-        print(f"  {row['rate']:>5g} req/s: {s['completed']}/{s['requests']} done, {s['output_throughput']:.1f} out tok/s, "
-              f"e2e p50 {s['e2e_ms']['p50'] or 0:.0f} ms, load {row['load_avg_1m_after']:.1f}", flush=True)
+        print(
+            f"  {row['rate']:>5g} req/s: {s['completed']}/{s['requests']} done, {s['output_throughput']:.1f} out tok/s, "
+            f"e2e p50 {s['e2e_ms']['p50'] or 0:.0f} ms, load {row['load_avg_1m_after']:.1f}",
+            flush=True,
+        )
     return rows
 
 
@@ -130,14 +159,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         from load_tests.llamacpp_server import llamacpp_server
 
         # An HTTP thread per connection it may hold at once (every request of the longest sweep).
-        with llamacpp_server(free_port(), out / "llamacpp.log", threads=args.threads, slots=args.max_num_seqs,
-                             http_threads=most + 16, start_timeout_s=args.peer_start_timeout_s) as url:
+        with llamacpp_server(
+            free_port(),
+            out / "llamacpp.log",
+            threads=args.threads,
+            slots=args.max_num_seqs,
+            http_threads=most + 16,
+            start_timeout_s=args.peer_start_timeout_s,
+        ) as url:
             by_system["llamacpp"] = run_sweep("llamacpp", Target(url), requests, args, slos)
     from load_tests.occupancy import occupancy_pair
 
     print("\n== occupancy traces (in-process engine, static then continuous)", flush=True)
-    occupancy = occupancy_pair(args.model, args.occupancy_requests, args.occupancy_slots, seed=args.seed,
-                               threads=args.threads)
+    occupancy = occupancy_pair(
+        args.model, args.occupancy_requests, args.occupancy_slots, seed=args.seed, threads=args.threads
+    )
     result = write_report(out, args, by_system, occupancy, slos, time.perf_counter() - started)
     print(f"\nwrote {out}/index.html, its PNGs and {out}/experiment.json ({result['total_seconds']:.0f} s)")
     return result

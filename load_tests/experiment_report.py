@@ -9,6 +9,7 @@ Targets (issue 8): where static is saturated, continuous >= 2x its output throug
 highest rate, deepest in saturation; every saturated rate's ratio is listed); continuous has the lower
 p50 e2e latency at every rate; at the peer's saturation rate, continuous has the higher goodput.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -21,6 +22,7 @@ from typing import Dict, List, Optional
 
 from load_tests import plots
 from load_tests.bench_metrics import format_sweep
+
 
 def queue_grows(row: dict) -> bool:
     ok = sorted((r for r in row["records"] if r["status"] == 200 and not r["error"]), key=lambda r: r["start_s"])
@@ -46,22 +48,45 @@ def targets(by_system: Dict[str, List[dict]]) -> List[dict]:
     if static and cont:
         sat = saturation_rate(static)
         rates = sorted(r["rate"] for r in static)
-        ratios = {rate: _at(cont, rate)["output_throughput"] / max(_at(static, rate)["output_throughput"], 1e-9)
-                  for rate in rates if sat is not None and rate >= sat and _at(cont, rate)}
+        ratios = {
+            rate: _at(cont, rate)["output_throughput"] / max(_at(static, rate)["output_throughput"], 1e-9)
+            for rate in rates
+            if sat is not None and rate >= sat and _at(cont, rate)
+        }
         if ratios:
             top = max(ratios)
             detail = ", ".join(f"{x:.2f}x at {r:g}" for r, x in ratios.items())
-            out.append({"target": "continuous >= 2x static output throughput where static saturates",
-                        "value": ratios[top], "met": ratios[top] >= 2.0,
-                        "detail": f"static saturated from {sat:g} req/s; continuous/static: {detail} req/s"})
+            out.append(
+                {
+                    "target": "continuous >= 2x static output throughput where static saturates",
+                    "value": ratios[top],
+                    "met": ratios[top] >= 2.0,
+                    "detail": f"static saturated from {sat:g} req/s; continuous/static: {detail} req/s",
+                }
+            )
         else:
-            out.append({"target": "continuous >= 2x static output throughput where static saturates",
-                        "value": None, "met": False, "detail": "static never saturated at the rates tested"})
+            out.append(
+                {
+                    "target": "continuous >= 2x static output throughput where static saturates",
+                    "value": None,
+                    "met": False,
+                    "detail": "static never saturated at the rates tested",
+                }
+            )
         worse = [r for r in rates if _at(cont, r) and _at(cont, r)["e2e_ms"]["p50"] >= _at(static, r)["e2e_ms"]["p50"]]
-        pairs = ", ".join(f"{_at(cont, r)['e2e_ms']['p50']:.0f} vs {_at(static, r)['e2e_ms']['p50']:.0f} ms at {r:g}"
-                          for r in rates if _at(cont, r))
-        out.append({"target": "continuous p50 e2e below static at every rate", "value": len(rates) - len(worse),
-                    "met": not worse, "detail": f"continuous vs static: {pairs}"})
+        pairs = ", ".join(
+            f"{_at(cont, r)['e2e_ms']['p50']:.0f} vs {_at(static, r)['e2e_ms']['p50']:.0f} ms at {r:g}"
+            for r in rates
+            if _at(cont, r)
+        )
+        out.append(
+            {
+                "target": "continuous p50 e2e below static at every rate",
+                "value": len(rates) - len(worse),
+                "met": not worse,
+                "detail": f"continuous vs static: {pairs}",
+            }
+        )
     if peer and cont:
         sat = saturation_rate(peer)
         rate = sat if sat is not None else max(r["rate"] for r in peer)
@@ -70,17 +95,24 @@ def targets(by_system: Dict[str, List[dict]]) -> List[dict]:
             g_ours, g_peer = ours["goodput"]["request_goodput"], theirs["goodput"]["request_goodput"]
             slos = " ".join(f"{k}<={v:g}ms" for k, v in ours["goodput"]["slos_ms"].items())
             note = f"peer saturated at {sat:g} req/s" if sat is not None else f"peer never saturated; at {rate:g} req/s"
-            out.append({"target": "continuous goodput above the peer's at the peer's saturation rate",
-                        "value": g_ours / g_peer if g_peer else None, "met": g_ours > g_peer,
-                        "detail": f"{note}; goodput ({slos}) {g_ours:.2f} vs {g_peer:.2f} req/s"})
+            out.append(
+                {
+                    "target": "continuous goodput above the peer's at the peer's saturation rate",
+                    "value": g_ours / g_peer if g_peer else None,
+                    "met": g_ours > g_peer,
+                    "detail": f"{note}; goodput ({slos}) {g_ours:.2f} vs {g_peer:.2f} req/s",
+                }
+            )
     return out
 
 
 def occupancy_table(occupancy) -> str:
     lines = [f"{'mode':12s} {'slots':>5s} {'steps':>6s} {'busy slot-steps':>15s} {'tokens':>7s} {'engine s':>8s}"]
     for _, _, s in occupancy:
-        lines.append(f"{s['scheduling']:12s} {s['slots']:>5d} {s['steps']:>6d} {s['slot_utilization']:>15.1%} "
-                     f"{s['generated_tokens']:>7d} {s['step_seconds']:>8.1f}")
+        lines.append(
+            f"{s['scheduling']:12s} {s['slots']:>5d} {s['steps']:>6d} {s['slot_utilization']:>15.1%} "
+            f"{s['generated_tokens']:>7d} {s['step_seconds']:>8.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -96,27 +128,45 @@ def write_report(out: Path, args, by_system: Dict[str, List[dict]], occupancy, s
         images.append(plots.plot_latency(by_system, out / "latency.png"))
     if occupancy:
         slots = max(s["slots"] for _, _, s in occupancy)
-        images.append(plots.plot_occupancy([(label, trace.grid(slots)) for label, trace, _ in occupancy],
-                                           out / "occupancy.png",
-                                           f"Batch occupancy, {args.model}, {slots} slots, same requests"))
+        images.append(
+            plots.plot_occupancy(
+                [(label, trace.grid(slots)) for label, trace, _ in occupancy],
+                out / "occupancy.png",
+                f"Batch occupancy, {args.model}, {slots} slots, same requests",
+            )
+        )
     load = os.getloadavg()
-    notes = [f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {os.cpu_count()} CPUs ({platform.platform()}); "
-             f"1-min load average at the end {load[0]:.1f}. The machine is shared: other work may have run alongside.",
-             f"Workload: max({args.num_requests}, rate x {args.window_s:g} s) chat requests per rate, ~{args.input_len}-word prompts, output lengths "
-             f"exponential (mean {args.mean_output:g}) capped at {args.cap}, EOS ignored; Poisson arrivals; "
-             f"model {args.model} fp32 on CPU; engine {args.threads} torch threads, max_num_seqs {args.max_num_seqs}, "
-             f"static batches of {args.static_batch_size}."]
+    notes = [
+        f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {os.cpu_count()} CPUs ({platform.platform()}); "
+        f"1-min load average at the end {load[0]:.1f}. The machine is shared: other work may have run alongside.",
+        f"Workload: max({args.num_requests}, rate x {args.window_s:g} s) chat requests per rate, ~{args.input_len}-word prompts, output lengths "
+        f"exponential (mean {args.mean_output:g}) capped at {args.cap}, EOS ignored; Poisson arrivals; "
+        f"model {args.model} fp32 on CPU; engine {args.threads} torch threads, max_num_seqs {args.max_num_seqs}, "
+        f"static batches of {args.static_batch_size}.",
+    ]
     if "llamacpp" in by_system:
-        notes.append(f"llamacpp: llama.cpp's server on the same model's 4-bit GGUF (Q4_1), {args.threads} threads, "
-                     f"{args.max_num_seqs} slots: a speed anchor, its answers differ from fp32.")
-    plots.write_html(out / "index.html", "iterserve: static vs continuous batching vs transformers serve, llama.cpp",
-                     images,
-                     [("Sweep", table), ("Targets", target_text or "-"), ("Occupancy", occupancy_table(occupancy))],
-                     notes)
-    result = {"benchmark": "experiment", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": load},
-              "args": vars(args), "slos_ms": slos, "systems": by_system, "targets": checks,
-              "occupancy": [{"label": label, "stats": s, "trace": t.to_dict()} for label, t, s in occupancy],
-              "images": [str(p) for p in images], "total_seconds": total_s}
+        notes.append(
+            f"llamacpp: llama.cpp's server on the same model's 4-bit GGUF (Q4_1), {args.threads} threads, "
+            f"{args.max_num_seqs} slots: a speed anchor, its answers differ from fp32."
+        )
+    plots.write_html(
+        out / "index.html",
+        "iterserve: static vs continuous batching vs transformers serve, llama.cpp",
+        images,
+        [("Sweep", table), ("Targets", target_text or "-"), ("Occupancy", occupancy_table(occupancy))],
+        notes,
+    )
+    result = {
+        "benchmark": "experiment",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": load},
+        "args": vars(args),
+        "slos_ms": slos,
+        "systems": by_system,
+        "targets": checks,
+        "occupancy": [{"label": label, "stats": s, "trace": t.to_dict()} for label, t, s in occupancy],
+        "images": [str(p) for p in images],
+        "total_seconds": total_s,
+    }
     (out / "experiment.json").write_text(json.dumps(result, indent=1))
     return result

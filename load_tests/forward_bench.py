@@ -14,6 +14,7 @@ output tokens/s >= 1.5x. With --repeat R each scenario runs R times per system a
 median of each figure. Prints the table, writes results/forward_bench/forward_bench.json and both logs.
 llama.cpp's 4-bit answers differ from the fp32 ones: it is a speed anchor, not an output oracle.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,11 +72,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def workload(args) -> dict:
     """Distinct prompts per scenario (no answer is served from another's cache); the warm-up is a
     short burst of the same width, so both scenarios' batch shapes have been seen once."""
+
     def chats(n: int, tokens: int, seed: int):
         return random_requests(n, args.input_len, tokens, 0.0, "chat", seed)
-    return {"warmup": chats(args.burst, 8, args.seed + 2) + chats(2, 8, args.seed + 3),
-            "single": chats(args.chats, args.output_tokens, args.seed),
-            "burst": chats(args.burst, args.output_tokens, args.seed + 1)}
+
+    return {
+        "warmup": chats(args.burst, 8, args.seed + 2) + chats(2, 8, args.seed + 3),
+        "single": chats(args.chats, args.output_tokens, args.seed),
+        "burst": chats(args.burst, args.output_tokens, args.seed + 1),
+    }
 
 
 def decode_speed(record: BenchRecord) -> Optional[float]:
@@ -86,25 +91,38 @@ def decode_speed(record: BenchRecord) -> Optional[float]:
 
 def _common(result: LoadResult, summary: dict) -> dict:
     ok = [r for r in result.records if r.ok]
-    return {"requests": summary["requests"], "completed": summary["completed"], "failed": summary["failed"],
-            "output_lengths": sorted({r.output_tokens for r in ok}),
-            "prompt_tokens_p50": percentile([r.prompt_tokens for r in ok if r.prompt_tokens], 50),
-            "errors": [r.error for r in result.records if not r.ok][:5],
-            "records": [asdict(r) for r in result.records]}
+    return {
+        "requests": summary["requests"],
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "output_lengths": sorted({r.output_tokens for r in ok}),
+        "prompt_tokens_p50": percentile([r.prompt_tokens for r in ok if r.prompt_tokens], 50),
+        "errors": [r.error for r in result.records if not r.ok][:5],
+        "records": [asdict(r) for r in result.records],
+    }
 
 
 def single_figures(result: LoadResult) -> dict:
     s = summarize(result.records, result.duration_s)
     speeds = [v for v in map(decode_speed, (r for r in result.records if r.ok)) if v is not None]
-    return {"ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"],
-            "decode_tok_s_p50": percentile(speeds, 50), "tpot_p50_ms": s["tpot_ms"]["p50"],
-            **_common(result, s)}
+    return {
+        "ttft_p50_ms": s["ttft_ms"]["p50"],
+        "ttft_p90_ms": s["ttft_ms"]["p90"],
+        "decode_tok_s_p50": percentile(speeds, 50),
+        "tpot_p50_ms": s["tpot_ms"]["p50"],
+        **_common(result, s),
+    }
 
 
 def burst_figures(result: LoadResult) -> dict:
     s = summarize(result.records, result.duration_s)
-    return {"output_tok_s": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["p50"],
-            "e2e_p50_ms": s["e2e_ms"]["p50"], "duration_s": result.duration_s, **_common(result, s)}
+    return {
+        "output_tok_s": s["output_throughput"],
+        "ttft_p50_ms": s["ttft_ms"]["p50"],
+        "e2e_p50_ms": s["e2e_ms"]["p50"],
+        "duration_s": result.duration_s,
+        **_common(result, s),
+    }
 
 
 async def measure(target: Target, requests: dict, repeat: int, timeout_s: float) -> dict:
@@ -143,8 +161,17 @@ def targets(by_system: Dict[str, dict]) -> List[dict]:
         ratio = ours / theirs if ours is not None and theirs and not failed else None
         op, bound = target
         met = ratio is not None and (ratio <= bound if op == "<=" else ratio >= bound)
-        out.append({"figure": label, "iterserve": ours, PEER: theirs, "ratio": ratio, "target": f"{op} {bound:g}x",
-                    "met": met, "failed_requests": failed})
+        out.append(
+            {
+                "figure": label,
+                "iterserve": ours,
+                PEER: theirs,
+                "ratio": ratio,
+                "target": f"{op} {bound:g}x",
+                "met": met,
+                "failed_requests": failed,
+            }
+        )
     return out
 
 
@@ -158,13 +185,18 @@ def format_table(by_system: Dict[str, dict], checks: List[dict]) -> str:
         if label in by_label:
             c = by_label[label]
             ratio = f"{c['ratio']:>6.2f}x" if c["ratio"] is not None else f"{'-':>7}"
-            verdict = f"failed requests: {c['failed_requests']}" if c["failed_requests"] else \
-                ("met" if c["met"] else "MISSED")
+            verdict = (
+                f"failed requests: {c['failed_requests']}"
+                if c["failed_requests"]
+                else ("met" if c["met"] else "MISSED")
+            )
             line += f"  {ratio}  {c['target']} {verdict}"
         lines.append(line)
     for scenario in ("single", "burst"):
-        lines.append(f"{scenario + ': done/sent, lengths':<26}" + "".join(
-            f"{_done(by_system[n]['runs'], scenario):>11}" for n in names))
+        lines.append(
+            f"{scenario + ': done/sent, lengths':<26}"
+            + "".join(f"{_done(by_system[n]['runs'], scenario):>11}" for n in names)
+        )
     return "\n".join(lines)
 
 
@@ -184,18 +216,30 @@ def run_system(name: str, args, requests: dict) -> dict:
         from load_tests.llamacpp_server import llamacpp_server
 
         # More HTTP threads than connections at once (the burst), or llama.cpp drops the extra ones.
-        server = llamacpp_server(free_port(), out / "llamacpp.log", args.gguf, args.threads, args.slots,
-                                 http_threads=max(args.burst, args.slots) + 16, start_timeout_s=args.start_timeout_s)
+        server = llamacpp_server(
+            free_port(),
+            out / "llamacpp.log",
+            args.gguf,
+            args.threads,
+            args.slots,
+            http_threads=max(args.burst, args.slots) + 16,
+            start_timeout_s=args.start_timeout_s,
+        )
     print(f"\n== {name}: starting...", flush=True)
     started = time.perf_counter()
     with server as url:
-        print(f"   ready in {time.perf_counter() - started:.0f} s; warm-up, then {args.repeat} x "
-              f"({args.chats} chats one at a time, {args.burst} at t=0)", flush=True)
+        print(
+            f"   ready in {time.perf_counter() - started:.0f} s; warm-up, then {args.repeat} x "
+            f"({args.chats} chats one at a time, {args.burst} at t=0)",
+            flush=True,
+        )
         result = asyncio.run(measure(Target(url), requests, args.repeat, args.timeout_s))
     f = result["figures"]
-    print(f"   TTFT p50 {f['single']['ttft_p50_ms'] or 0:.1f} ms, decode {f['single']['decode_tok_s_p50'] or 0:.1f} "
-          f"tok/s, burst {f['burst']['output_tok_s'] or 0:.1f} tok/s ({time.perf_counter() - started:.0f} s)",
-          flush=True)
+    print(
+        f"   TTFT p50 {f['single']['ttft_p50_ms'] or 0:.1f} ms, decode {f['single']['decode_tok_s_p50'] or 0:.1f} "
+        f"tok/s, burst {f['burst']['output_tok_s'] or 0:.1f} tok/s ({time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
     return result
 
 
@@ -203,16 +247,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     requests = workload(args)
-    print(f"forward bench: {args.chats} chats one at a time and {args.burst} at t=0, {args.output_tokens} output "
-          f"tokens each, ~{args.input_len}-word prompts, x{args.repeat}; load avg {os.getloadavg()[0]:.1f}")
+    print(
+        f"forward bench: {args.chats} chats one at a time and {args.burst} at t=0, {args.output_tokens} output "
+        f"tokens each, ~{args.input_len}-word prompts, x{args.repeat}; load avg {os.getloadavg()[0]:.1f}"
+    )
     started = time.perf_counter()
     by_system = {name: run_system(name, args, requests) for name in systems}
     checks = targets(by_system)
     print("\n" + format_table(by_system, checks))
-    result = {"benchmark": "forward_bench", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
-              "args": vars(args), "systems": by_system, "targets": checks,
-              "total_seconds": time.perf_counter() - started}
+    result = {
+        "benchmark": "forward_bench",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
+        "args": vars(args),
+        "systems": by_system,
+        "targets": checks,
+        "total_seconds": time.perf_counter() - started,
+    }
     path = Path(args.out) / "forward_bench.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

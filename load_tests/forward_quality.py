@@ -15,6 +15,7 @@ For each of float32, bfloat16 and int8 (bf16 activations), loaded as the engine 
   variant: share of positions where the variant's greedy choice is float32's token; no cascade after
   a first difference).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,34 @@ from batcher.model_loader import load_model
 from batcher.quantization import Int8WeightLinear
 
 TEXT = Path(__file__).with_name("forward_quality.txt")
-VARIANTS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "int8": (torch.bfloat16, "int8"),
-            "int8/bf16 head": (torch.bfloat16, "int8")}
+VARIANTS = {
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),
+    "int8": (torch.bfloat16, "int8"),
+    "int8/bf16 head": (torch.bfloat16, "int8"),
+}
 ALWAYS, NEVER = 1 << 30, 0  # Int8WeightLinear.max_packed_rows: int8 kernel for every product, or none
 CHATS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
-    "List three prime numbers and explain why they are prime.", "Who wrote Romeo and Juliet?",
-    "Give me three tips for sleeping better.", "What is 12 times 7?", "Tell me a joke about computers.",
-    "How do I boil an egg?", "Translate 'good morning' into Spanish.", "What causes the seasons on Earth?",
-    "Name five fruits that are red.", "Write a short thank-you note to a teacher.",
-    "What is the difference between weather and climate?", "Describe a cat in one sentence.",
-    "Why is the sky blue?", "Suggest a name for a pet goldfish.", "What does a CPU do?",
-    "Summarise the story of Cinderella in three sentences.", "How many legs does a spider have?",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in two sentences.",
+    "List three prime numbers and explain why they are prime.",
+    "Who wrote Romeo and Juliet?",
+    "Give me three tips for sleeping better.",
+    "What is 12 times 7?",
+    "Tell me a joke about computers.",
+    "How do I boil an egg?",
+    "Translate 'good morning' into Spanish.",
+    "What causes the seasons on Earth?",
+    "Name five fruits that are red.",
+    "Write a short thank-you note to a teacher.",
+    "What is the difference between weather and climate?",
+    "Describe a cat in one sentence.",
+    "Why is the sky blue?",
+    "Suggest a name for a pet goldfish.",
+    "What does a CPU do?",
+    "Summarise the story of Cinderella in three sentences.",
+    "How many legs does a spider have?",
 ]
 
 
@@ -52,7 +69,7 @@ def text_scores(models, ids, window):
     kl = {v: 0.0 for v in models}
     count = 0
     for start in range(0, len(ids) - 1, window):
-        chunk = torch.tensor([ids[start:start + window + 1]])
+        chunk = torch.tensor([ids[start : start + window + 1]])
         inputs, targets = chunk[:, :-1], chunk[0, 1:]
         ref = None
         for v, model in models.items():
@@ -67,14 +84,20 @@ def text_scores(models, ids, window):
 
 @torch.inference_mode()
 def greedy(model, prompt_ids, max_tokens):
-    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                         max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @torch.inference_mode()
 def teacher_forced_top1(model, prompt_ids, tokens):
-    logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1:-1]
+    logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
     return int((logits.argmax(dim=-1) == torch.tensor(tokens)).sum())
 
 
@@ -99,8 +122,10 @@ def main(argv=None) -> dict:
             head.max_packed_rows = ALWAYS if v == "int8" else NEVER
     text_ids = tok(TEXT.read_text())["input_ids"]
     scores, positions = text_scores(models, text_ids, args.window)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
-               for c in CHATS[:args.prompts]]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+        for c in CHATS[: args.prompts]
+    ]
     prompt_ids = [tok(p)["input_ids"] for p in prompts]
     reference = [greedy(models["fp32"], p, args.max_tokens) for p in prompt_ids]
     rows = {}
@@ -115,14 +140,27 @@ def main(argv=None) -> dict:
             "teacher_forced_top1": top1 / sum(len(r) for r in reference),
         }
     n = len(prompt_ids)
-    print(f"{args.model}: perplexity over {positions} tokens of forward_quality.txt; {n} chat prompts x "
-          f"{args.max_tokens} greedy tokens against fp32")
-    print(f"{'':14} {'perplexity':>10} {'KL vs fp32':>11} {'identical':>10} {'tokens to 1st diff':>19} {'top-1 (forced)':>15}")
+    print(
+        f"{args.model}: perplexity over {positions} tokens of forward_quality.txt; {n} chat prompts x "
+        f"{args.max_tokens} greedy tokens against fp32"
+    )
+    print(
+        f"{'':14} {'perplexity':>10} {'KL vs fp32':>11} {'identical':>10} {'tokens to 1st diff':>19} {'top-1 (forced)':>15}"
+    )
     for v, r in rows.items():
-        print(f"{v:14} {r['perplexity']:10.3f} {r['kl_from_fp32']:11.5f} {r['identical_outputs']:>5d}/{n:<4d}"
-              f" {r['mean_tokens_before_difference']:19.1f} {r['teacher_forced_top1']:15.3f}")
-    out = {"model": args.model, "text_tokens": positions, "window": args.window, "prompts": n,
-           "max_tokens": args.max_tokens, "variants": rows, "seconds": round(time.monotonic() - started, 1)}
+        print(
+            f"{v:14} {r['perplexity']:10.3f} {r['kl_from_fp32']:11.5f} {r['identical_outputs']:>5d}/{n:<4d}"
+            f" {r['mean_tokens_before_difference']:19.1f} {r['teacher_forced_top1']:15.3f}"
+        )
+    out = {
+        "model": args.model,
+        "text_tokens": positions,
+        "window": args.window,
+        "prompts": n,
+        "max_tokens": args.max_tokens,
+        "variants": rows,
+        "seconds": round(time.monotonic() - started, 1),
+    }
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -13,6 +13,7 @@ to the device machine) and saved with the SmolLM2 tokenizer as a local model dir
 3. decode step time against the roofline: (weight bytes + KV bytes read) / HBM bandwidth.
 Prints a table and writes JSON (--out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,21 @@ import torch
 
 CONFIGS = Path(__file__).parent / "configs"
 HBM_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L4": 300.0}  # vendor figures, GB/s
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.3)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    initializer_range=0.3,
+)
 
 
-def build_model_dir(config_path: Path, tiny: bool, device: torch.device, out: Path, tokenizer: str,
-                    dtype: torch.dtype = torch.float32) -> Path:
+def build_model_dir(
+    config_path: Path, tiny: bool, device: torch.device, out: Path, tokenizer: str, dtype: torch.dtype = torch.float32
+) -> Path:
     """A random-weight model directory from a HF config (weights cannot be carried to a device),
     built and saved in `dtype` (bf16: half an 8B model's 32 GB in fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,8 +65,10 @@ def build_model_dir(config_path: Path, tiny: bool, device: torch.device, out: Pa
 
 def prompts(n: int, seed: int = 0) -> List[List[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(100, 40000, (int(torch.randint(8, 120, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(100, 40000, (int(torch.randint(8, 120, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def hf_model(path: Path, dtype: torch.dtype, device: torch.device):
@@ -69,9 +81,10 @@ def hf_greedy(model, prompt: List[int], n: int, **kw) -> List[int]:
     """HF `generate`, greedy; EOS neither stops nor is suppressed unless `kw` names one."""
     ids = torch.tensor([prompt], device=model.device)
     kw.setdefault("eos_token_id", None)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         pad_token_id=0, **kw)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def first_difference(got: List[int], want: List[int]) -> int:
@@ -81,8 +94,9 @@ def first_difference(got: List[int], want: List[int]) -> int:
 def engine(path: Path, device: torch.device, dtype: str, backend: str, compile: str, **kw):
     from batcher import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(path), device=device.type, dtype=dtype, attention_backend=backend,
-                                  compile=compile, **kw))
+    return LLMEngine(
+        EngineConfig(model=str(path), device=device.type, dtype=dtype, attention_backend=backend, compile=compile, **kw)
+    )
 
 
 def greedy_params(n: int, **kw):
@@ -96,8 +110,7 @@ def greedy(n: int, count: int):
     return [greedy_params(n)] * count
 
 
-def parity(path: Path, device: torch.device, backends: List[str], compiles: List[str],
-           dtypes: List[str]) -> List[Dict]:
+def parity(path: Path, device: torch.device, backends: List[str], compiles: List[str], dtypes: List[str]) -> List[Dict]:
     rows = []
     ps, n = prompts(6, seed=1), 24
     for dtype in dtypes:
@@ -111,8 +124,9 @@ def parity(path: Path, device: torch.device, backends: List[str], compiles: List
                     e = engine(path, device, dtype, backend, comp, num_kv_blocks=512, block_size=16)
                     got = [o.token_ids for o in e.generate(ps, greedy(n, len(ps)))]
                     same = [first_difference(g, x) for g, x in zip(got, expected)]
-                    row.update(exact=got == expected, tokens_until_first_difference=same,
-                               forward_mode=e.runner.forward.mode)
+                    row.update(
+                        exact=got == expected, tokens_until_first_difference=same, forward_mode=e.runner.forward.mode
+                    )
                 except Exception as exc:  # report and go on: one failing backend must not hide the others
                     row.update(error=f"{type(exc).__name__}: {exc}"[:300])
                 rows.append(row)
@@ -142,8 +156,9 @@ def throughput(path: Path, device: torch.device, dtype: str, backend: str, batch
     width = max(len(p) for p in ps)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=device)  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
-    run = lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
+    run = lambda: model.generate(
+        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
     run()  # warm
     s = timed(run)
     rows.append({"system": "HF generate, static batch", "seconds": s, "tokens_per_s": total / s})
@@ -153,14 +168,22 @@ def throughput(path: Path, device: torch.device, dtype: str, backend: str, batch
         gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
         model.generate_batch(inputs=ps[:2], generation_config=gen)  # warm (graphs, kernels)
         s = timed(lambda: model.generate_batch(inputs=ps, generation_config=gen))
-        rows.append({"system": "transformers continuous batching (generate_batch)", "seconds": s,
-                     "tokens_per_s": total / s})
+        rows.append(
+            {"system": "transformers continuous batching (generate_batch)", "seconds": s, "tokens_per_s": total / s}
+        )
     except Exception as exc:  # the API moves between transformers versions: report, don't stop
-        rows.append({"system": "transformers continuous batching (generate_batch)", "error": f"{type(exc).__name__}: {exc}"[:300]})
+        rows.append(
+            {
+                "system": "transformers continuous batching (generate_batch)",
+                "error": f"{type(exc).__name__}: {exc}"[:300],
+            }
+        )
     return rows
 
 
-def roofline(path: Path, device: torch.device, dtype: str, backend: str, batches: List[int], hbm_gbps: float) -> List[Dict]:
+def roofline(
+    path: Path, device: torch.device, dtype: str, backend: str, batches: List[int], hbm_gbps: float
+) -> List[Dict]:
     """Decode step time of `b` sequences with ~context tokens each vs the bytes a step must read."""
     from batcher.model_files import kv_geometry
 
@@ -180,9 +203,16 @@ def roofline(path: Path, device: torch.device, dtype: str, backend: str, batches
         layers, hkv, hd = kv_geometry(cfg)
         kv_bytes = b * (context + steps // 2) * layers * 2 * hkv * hd * torch.finfo(getattr(torch, dtype)).bits // 8
         bound = (weight_bytes + kv_bytes) / (hbm_gbps * 1e9) if hbm_gbps else float("nan")
-        rows.append({"batch": b, "step_ms": step_s * 1e3, "roofline_ms": bound * 1e3,
-                     "fraction_of_roofline": bound / step_s if step_s else float("nan"),
-                     "weight_mb": weight_bytes / 1e6, "kv_mb": kv_bytes / 1e6})
+        rows.append(
+            {
+                "batch": b,
+                "step_ms": step_s * 1e3,
+                "roofline_ms": bound * 1e3,
+                "fraction_of_roofline": bound / step_s if step_s else float("nan"),
+                "weight_mb": weight_bytes / 1e6,
+                "kv_mb": kv_bytes / 1e6,
+            }
+        )
         del e
     return rows
 
@@ -204,8 +234,18 @@ def print_table(title: str, rows: List[Dict]) -> None:
         print(" | ".join(f"{r[k]:.3g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys))
 
 
-def _run_section(section: str, report: Dict, path: Path, device: torch.device, dtype: str, backends: List[str],
-                 batch: int, new_tokens: int, hbm_override: float, parity_dtypes: List[str]) -> None:
+def _run_section(
+    section: str,
+    report: Dict,
+    path: Path,
+    device: torch.device,
+    dtype: str,
+    backends: List[str],
+    batch: int,
+    new_tokens: int,
+    hbm_override: float,
+    parity_dtypes: List[str],
+) -> None:
     if section == "parity":
         report["parity"] = parity(path, device, backends, ["off", "auto"], parity_dtypes)
         print_table("parity: engine vs HF generate (greedy)", report["parity"])
@@ -233,10 +273,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--hbm-gbps", type=float, default=0.0, help="override the device's HBM bandwidth")
-    ap.add_argument("--tokenizer", default="smollm2-135m-instruct",
-                    help="a model name or tokenizer directory (a device machine has no embedded model)")
-    ap.add_argument("--sections", default="parity,throughput,roofline",
-                    help="which parts, in this order (the JSON is written after each)")
+    ap.add_argument(
+        "--tokenizer",
+        default="smollm2-135m-instruct",
+        help="a model name or tokenizer directory (a device machine has no embedded model)",
+    )
+    ap.add_argument(
+        "--sections",
+        default="parity,throughput,roofline",
+        help="which parts, in this order (the JSON is written after each)",
+    )
     ap.add_argument("--backends", default=None, help="attention backends (default: reference, and triton on CUDA)")
     ap.add_argument("--parity-dtypes", default="float32,bfloat16")
     ap.add_argument("--out", type=Path, default=Path("results/gpu_forward.json"))
@@ -246,16 +292,31 @@ def main() -> None:
     dtype = a.dtype or ("bfloat16" if cuda else "float32")
     backends = a.backends.split(",") if a.backends else ["reference", "triton"] if cuda else ["reference"]
     batch, new_tokens = a.batch or (64 if cuda else 4), a.new_tokens or (128 if cuda else 8)
-    report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-              "config": str(a.config), "tiny": a.tiny, "dtype": dtype}
+    report = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "config": str(a.config),
+        "tiny": a.tiny,
+        "dtype": dtype,
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model_dir(a.config, a.tiny, device, Path(tmp) / "model", a.tokenizer)
         for section in a.sections.split(","):
             t0 = time.perf_counter()
             try:
-                _run_section(section, report, path, device, dtype, backends, batch, new_tokens, a.hbm_gbps,
-                             a.parity_dtypes.split(","))
+                _run_section(
+                    section,
+                    report,
+                    path,
+                    device,
+                    dtype,
+                    backends,
+                    batch,
+                    new_tokens,
+                    a.hbm_gbps,
+                    a.parity_dtypes.split(","),
+                )
             except Exception as exc:  # one broken part must not hide the others' figures
                 report[f"{section}_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 print(f"\n== {section}: FAILED {report[f'{section}_error']}")

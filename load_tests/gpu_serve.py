@@ -8,6 +8,7 @@ answer, a stream (SSE to `[DONE]`, Server-Timing), `--concurrency` streams at on
 the adapter by name, a JSON-schema answer that parses, a bad request's 400 with the server serving on.
 Prints a table, writes JSON (--out), shuts Serve and Ray down.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def app_config(model_dir: Path, adapters: Dict[str, str], device: str) -> dict:
     cfg = yaml.safe_load((ROOT / "serve_config.gpu.yaml").read_text())["applications"][0]["args"]
-    cfg["engine"].update(model=str(model_dir), device=device, max_model_len=1024, lora={"adapters": adapters, "max_loras": 2},
-                         kv_cache_memory_gib=8.0 if device == "cuda" else 0.25)
+    cfg["engine"].update(
+        model=str(model_dir),
+        device=device,
+        max_model_len=1024,
+        lora={"adapters": adapters, "max_loras": 2},
+        kv_cache_memory_gib=8.0 if device == "cuda" else 0.25,
+    )
     cfg["served_model_name"] = "random-1b"
     if device != "cuda":
         cfg["replica"]["num_gpus"] = 0
@@ -51,13 +57,27 @@ async def checks(url: str, concurrency: int) -> List[Dict]:
         t0 = time.perf_counter()
         r = await c.post("/v1/chat/completions", json=chat("random-1b", "Hello there", max_tokens=16))
         body = r.json()
-        rows.append({"check": "chat answer", "status": r.status_code, "ok": r.status_code == 200 and
-                     body["usage"]["completion_tokens"] > 0, "detail": f"{time.perf_counter() - t0:.2f} s, usage {body.get('usage')}"})
-        async with c.stream("POST", "/v1/chat/completions", json=chat("random-1b", "Count", max_tokens=32, stream=True)) as s:
+        rows.append(
+            {
+                "check": "chat answer",
+                "status": r.status_code,
+                "ok": r.status_code == 200 and body["usage"]["completion_tokens"] > 0,
+                "detail": f"{time.perf_counter() - t0:.2f} s, usage {body.get('usage')}",
+            }
+        )
+        async with c.stream(
+            "POST", "/v1/chat/completions", json=chat("random-1b", "Count", max_tokens=32, stream=True)
+        ) as s:
             lines = [line async for line in s.aiter_lines() if line.startswith("data: ")]
             timing = s.headers.get("server-timing", "")
-        rows.append({"check": "stream", "status": s.status_code, "ok": s.status_code == 200 and lines[-1] == "data: [DONE]"
-                     and "replica-ttft" in timing, "detail": f"{len(lines)} events; Server-Timing: {timing}"})
+        rows.append(
+            {
+                "check": "stream",
+                "status": s.status_code,
+                "ok": s.status_code == 200 and lines[-1] == "data: [DONE]" and "replica-ttft" in timing,
+                "detail": f"{len(lines)} events; Server-Timing: {timing}",
+            }
+        )
 
         async def one(i: int) -> int:
             body = chat("random-1b", f"Request {i}: tell me a story", max_tokens=128)
@@ -68,30 +88,56 @@ async def checks(url: str, concurrency: int) -> List[Dict]:
         t0 = time.perf_counter()
         got = await asyncio.gather(*(one(i) for i in range(concurrency)))
         s = time.perf_counter() - t0
-        rows.append({"check": f"{concurrency} requests at once x 128 tokens", "status": 200 if min(got) > 0 else min(got),
-                     "ok": all(g == 128 for g in got), "detail": f"{s:.2f} s, {sum(max(g, 0) for g in got) / s:.0f} tokens/s over HTTP"})
+        rows.append(
+            {
+                "check": f"{concurrency} requests at once x 128 tokens",
+                "status": 200 if min(got) > 0 else min(got),
+                "ok": all(g == 128 for g in got),
+                "detail": f"{s:.2f} s, {sum(max(g, 0) for g in got) / s:.0f} tokens/s over HTTP",
+            }
+        )
         base = await c.post("/v1/chat/completions", json=chat("random-1b", "Hello there", max_tokens=16))
         lora = await c.post("/v1/chat/completions", json=chat("a", "Hello there", max_tokens=16))
         lb, bb = lora.json(), base.json()
-        rows.append({"check": "LoRA adapter 'a'", "status": lora.status_code, "ok": lora.status_code == 200 and
-                     lb["model"] == "a" and lb["choices"][0]["message"]["content"] != bb["choices"][0]["message"]["content"],
-                     "detail": f"adapter {lb['choices'][0]['message']['content'][:40]!r} vs base {bb['choices'][0]['message']['content'][:40]!r}"})
+        rows.append(
+            {
+                "check": "LoRA adapter 'a'",
+                "status": lora.status_code,
+                "ok": lora.status_code == 200
+                and lb["model"] == "a"
+                and lb["choices"][0]["message"]["content"] != bb["choices"][0]["message"]["content"],
+                "detail": f"adapter {lb['choices'][0]['message']['content'][:40]!r} vs base {bb['choices'][0]['message']['content'][:40]!r}",
+            }
+        )
         fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": ITEM_SCHEMA, "strict": True}}
-        r = await c.post("/v1/chat/completions", json=chat("random-1b", "An item as JSON", max_tokens=40, response_format=fmt))
+        r = await c.post(
+            "/v1/chat/completions", json=chat("random-1b", "An item as JSON", max_tokens=40, response_format=fmt)
+        )
         text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else ""
-        rows.append({"check": "response_format json_schema", "status": r.status_code, "ok": is_item(text), "detail": text[:60]})
+        rows.append(
+            {"check": "response_format json_schema", "status": r.status_code, "ok": is_item(text), "detail": text[:60]}
+        )
         r = await c.post("/v1/chat/completions", json=chat("random-1b", "x", max_tokens=-1))
         after = await c.get("/v1/models")
-        rows.append({"check": "bad request, then serving on", "status": r.status_code,
-                     "ok": r.status_code == 400 and "error" in r.json() and after.status_code == 200,
-                     "detail": r.json().get("error", {}).get("message", "")[:80]})
+        rows.append(
+            {
+                "check": "bad request, then serving on",
+                "status": r.status_code,
+                "ok": r.status_code == 400 and "error" in r.json() and after.status_code == 200,
+                "detail": r.json().get("error", {}).get("message", "")[:80],
+            }
+        )
     return rows
 
 
 def _gpu_memory_mib() -> str:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "nvidia-smi unavailable"
 

@@ -9,6 +9,7 @@ It needs more HTTP threads than concurrent connections, or it drops the extra on
 slots wait in its queue, each holding an HTTP thread); each of `slots`
 slots holds `ctx_per_slot` tokens of KV (f16), so 64 x 1024 tokens take about 1.5 GB.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,7 @@ DEFAULT_SLOTS = 64
 DEFAULT_CTX_PER_SLOT = 1024
 
 
-def server_params(model_path: str, port: int, threads: int, slots: int, ctx_per_slot: int,
-                  http_threads: Optional[int]):
+def server_params(model_path: str, port: int, threads: int, slots: int, ctx_per_slot: int, http_threads: Optional[int]):
     """xllamacpp's CommonParams for llama.cpp's server on 127.0.0.1:`port`."""
     import xllamacpp
 
@@ -45,16 +45,36 @@ def server_params(model_path: str, port: int, threads: int, slots: int, ctx_per_
 
 
 @contextlib.contextmanager
-def llamacpp_server(port: int, log_path: Path, model_path: Optional[str] = None, threads: int = DEFAULT_THREADS,
-                    slots: int = DEFAULT_SLOTS, ctx_per_slot: int = DEFAULT_CTX_PER_SLOT,
-                    http_threads: Optional[int] = None, start_timeout_s: float = 300.0) -> Iterator[str]:
+def llamacpp_server(
+    port: int,
+    log_path: Path,
+    model_path: Optional[str] = None,
+    threads: int = DEFAULT_THREADS,
+    slots: int = DEFAULT_SLOTS,
+    ctx_per_slot: int = DEFAULT_CTX_PER_SLOT,
+    http_threads: Optional[int] = None,
+    start_timeout_s: float = 300.0,
+) -> Iterator[str]:
     """llama.cpp's server on 127.0.0.1:`port` (default model: the embedded GGUF), `threads` compute
     threads, `slots` parallel sequences, `http_threads` (default 4 x slots; more than the connections
     a caller ever holds at once); yields its base URL."""
     if model_path is None:
         model_path = str(embedded_gguf())
-    cmd = [sys.executable, "-m", "load_tests.llamacpp_server", "--model", model_path, "--port", str(port),
-           "--threads", str(threads), "--slots", str(slots), "--ctx-per-slot", str(ctx_per_slot)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "load_tests.llamacpp_server",
+        "--model",
+        model_path,
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--slots",
+        str(slots),
+        "--ctx-per-slot",
+        str(ctx_per_slot),
+    ]
     if http_threads:
         cmd += ["--http-threads", str(http_threads)]
     with process_group(cmd, f"http://127.0.0.1:{port}", log_path, start_timeout_s, signal.SIGTERM):
@@ -75,8 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     if args.model is None:
         args.model = str(embedded_gguf())
-    params = server_params(args.model, args.port, args.threads, args.slots,
-                           args.ctx_per_slot, args.http_threads)
+    params = server_params(args.model, args.port, args.threads, args.slots, args.ctx_per_slot, args.http_threads)
     server = xllamacpp.Server(params)  # returns once the model is loaded; HTTP runs on its own threads
     print(f"llama.cpp server ready on {server.listening_address}", flush=True)
     signal.pause()  # until SIGTERM or SIGINT ends the process (their default action: no Python teardown)

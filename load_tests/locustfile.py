@@ -10,6 +10,7 @@ with percentiles like any request: `TTFT` (first chunk with tokens), `ITL` (each
 `TPOT` ((e2e - TTFT) / (output tokens - 1), tokens from `usage`) and `E2E` (until the stream ends).
 A failed request is reported on the POST row with its status.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -63,8 +64,14 @@ class OpenAIUser(HttpUser):
         self.path = "/v1/chat/completions" if o.api == "chat" else "/v1/completions"
 
     def _fire(self, kind: str, seconds: float, length: int = 0) -> None:
-        self.environment.events.request.fire(request_type=kind, name=self.path, response_time=seconds * 1000.0,
-                                             response_length=length, exception=None, context={})
+        self.environment.events.request.fire(
+            request_type=kind,
+            name=self.path,
+            response_time=seconds * 1000.0,
+            response_length=length,
+            exception=None,
+            context={},
+        )
 
     @task
     def generate(self) -> None:
@@ -80,8 +87,13 @@ class OpenAIUser(HttpUser):
             history.append({"role": "assistant", "content": answer})
 
     def _one(self, payload, req):
-        body = request_body(self.target, self.target.model, payload, req.max_tokens,
-                            req.ignore_eos and self.target.ignore_eos_as != "none")
+        body = request_body(
+            self.target,
+            self.target.model,
+            payload,
+            req.max_tokens,
+            req.ignore_eos and self.target.ignore_eos_as != "none",
+        )
         t0 = time.perf_counter()
         ttft, last, chunks, usage, text = None, t0, 0, None, []
         with self.client.post(self.path, json=body, stream=True, catch_response=True, name=self.path) as r:

@@ -27,6 +27,7 @@ per-adapter, and how many greedy answers agree between the two (the same weights
 thread counts and batches may differ in a few). Target (issue 23): the
 multiplexed fleet >= 2x the per-adapter throughput at K = 8. Prints a table, writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,10 @@ from load_tests.bench_metrics import summarize
 
 SYSTEMS = ("multiplexed", "per-adapter")
 MAX_SLOTS = 8  # max_loras of the multiplexed fleet: min(K, this)
-_WORDS = ("data model serve token cache route replica batch queue stream system user answer engine "
-          "prompt prefix block memory latency request cluster policy scale shard node tensor").split()
+_WORDS = (
+    "data model serve token cache route replica batch queue stream system user answer engine "
+    "prompt prefix block memory latency request cluster policy scale shard node tensor"
+).split()
 
 # A request of the workload: the adapter it names, and the request.
 Work = List[Tuple[str, BenchRequest]]
@@ -59,8 +62,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--adapters", default="1,8,32", help="adapter counts K, comma separated")
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--per-adapter-max-k", type=int, default=8,
-                   help="per-adapter fleets only up to this K (one replica and one ingress per adapter)")
+    p.add_argument(
+        "--per-adapter-max-k",
+        type=int,
+        default=8,
+        help="per-adapter fleets only up to this K (one replica and one ingress per adapter)",
+    )
     p.add_argument("--replicas", type=int, default=1, help="replicas of the multiplexed fleet")
     p.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="torch threads of each fleet in all")
     p.add_argument("--rank", type=int, default=8)
@@ -70,8 +77,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-kv-blocks", type=int, default=512, help="per replica (8 tokens each)")
-    p.add_argument("--adapters-dir", default=None,
-                   help="reuse adapters a0..aN-1 from here (made there if missing); default: a temporary directory")
+    p.add_argument(
+        "--adapters-dir",
+        default=None,
+        help="reuse adapters a0..aN-1 from here (made there if missing); default: a temporary directory",
+    )
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="results/lora_fleet_bench.json")
@@ -97,13 +107,25 @@ def adapter_paths(args, directory: Path) -> Dict[str, str]:
 
 def app_config(args, adapters: Dict[str, str], threads: int) -> dict:
     """One app: one replica's engine serving `adapters` on `threads` torch threads."""
-    lora = {"adapters": adapters, "max_loras": min(len(adapters), MAX_SLOTS), "max_cpu_loras": len(adapters),
-            "max_lora_rank": args.rank}
-    return {"engine": {"model": args.model, "dtype": args.dtype, "num_threads": threads,
-                       "max_num_seqs": max(64, args.concurrency), "num_kv_blocks": args.num_kv_blocks, "lora": lora},
-            "replica": {"num_replicas": 1, "num_cpus": 0, "max_ongoing_requests": max(128, args.concurrency)},
-            "stream": {"interval_ms": 20},
-            "router": {"request_router_class": "router:LLMRouter", "request_routing_stats_period_s": 0.5}}
+    lora = {
+        "adapters": adapters,
+        "max_loras": min(len(adapters), MAX_SLOTS),
+        "max_cpu_loras": len(adapters),
+        "max_lora_rank": args.rank,
+    }
+    return {
+        "engine": {
+            "model": args.model,
+            "dtype": args.dtype,
+            "num_threads": threads,
+            "max_num_seqs": max(64, args.concurrency),
+            "num_kv_blocks": args.num_kv_blocks,
+            "lora": lora,
+        },
+        "replica": {"num_replicas": 1, "num_cpus": 0, "max_ongoing_requests": max(128, args.concurrency)},
+        "stream": {"interval_ms": 20},
+        "router": {"request_router_class": "router:LLMRouter", "request_routing_stats_period_s": 0.5},
+    }
 
 
 def fleets(args, paths: Dict[str, str], k: int) -> Dict[str, Dict[str, dict]]:
@@ -123,21 +145,37 @@ def fleets(args, paths: Dict[str, str], k: int) -> Dict[str, Dict[str, dict]]:
 def workload(args, k: int, n: int, max_tokens: int, salt: str = "") -> Work:
     """n chat requests, request i on adapter a{i mod k}; the same for every system at this k."""
     rng = random.Random(f"{args.seed}:{k}:{salt}")
-    return [(f"a{i % k}", BenchRequest(messages=[{"role": "user", "content": f"Request {i}: " + " ".join(
-        rng.choice(_WORDS) for _ in range(args.prompt_words))}], max_tokens=max_tokens, ignore_eos=True))
-        for i in range(n)]
+    return [
+        (
+            f"a{i % k}",
+            BenchRequest(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": f"Request {i}: " + " ".join(rng.choice(_WORDS) for _ in range(args.prompt_words)),
+                    }
+                ],
+                max_tokens=max_tokens,
+                ignore_eos=True,
+            ),
+        )
+        for i in range(n)
+    ]
 
 
-async def drive(routes: Dict[str, Tuple[Target, str]], work: Work, concurrency: int,
-                timeout_s: float) -> Tuple[List[BenchRecord], float]:
+async def drive(
+    routes: Dict[str, Tuple[Target, str]], work: Work, concurrency: int, timeout_s: float
+) -> Tuple[List[BenchRecord], float]:
     """Sends `work` as a closed loop of `concurrency` requests in flight; a request on adapter X goes
     to routes[X] = (its app, the `model` it names). Returns the records (in work order) and the wall time."""
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
     records = [BenchRecord(index=i) for i in range(len(work))]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0),
-                                 limits=httpx.Limits(max_connections=concurrency + 8)) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=30.0), limits=httpx.Limits(max_connections=concurrency + 8)
+    ) as client:
+
         async def one(i: int) -> None:
             adapter, req = work[i]
             target, model = routes[adapter]
@@ -145,8 +183,10 @@ async def drive(routes: Dict[str, Tuple[Target, str]], work: Work, concurrency: 
                 record = records[i]
                 record.start_s = time.perf_counter() - t0
                 try:
-                    record.output_text = await asyncio.wait_for(send_one(
-                        client, target, model, req.messages, req.max_tokens, req.ignore_eos, record, t0), timeout_s)
+                    record.output_text = await asyncio.wait_for(
+                        send_one(client, target, model, req.messages, req.max_tokens, req.ignore_eos, record, t0),
+                        timeout_s,
+                    )
                 except asyncio.TimeoutError:
                     record.error = f"timeout after {timeout_s:g} s"
                 except Exception as e:  # a refused connection, a broken stream: a failure, not a crash
@@ -172,8 +212,9 @@ def fleet_cpu_seconds(apps: Sequence[str]) -> float:
     return total
 
 
-def run_system(base_url: str, apps: Dict[str, object], configs: Dict[str, dict], work: Work, warmup: Work,
-               args) -> dict:
+def run_system(
+    base_url: str, apps: Dict[str, object], configs: Dict[str, dict], work: Work, warmup: Work, args
+) -> dict:
     """Deploys the system's apps, warms them up, measures `work`, deletes them."""
     from ray import serve
     from ray.serve import RunTarget
@@ -181,14 +222,19 @@ def run_system(base_url: str, apps: Dict[str, object], configs: Dict[str, dict],
     t0 = time.perf_counter()
     serve.run_many([RunTarget(target=apps[name], name=name, route_prefix=f"/{name}") for name in configs])
     started_s = time.perf_counter() - t0
-    routes = {adapter: (Target(f"{base_url}/{name}"), f"{args.model}:{adapter}")
-              for name, cfg in configs.items() for adapter in cfg["engine"]["lora"]["adapters"]}
+    routes = {
+        adapter: (Target(f"{base_url}/{name}"), f"{args.model}:{adapter}")
+        for name, cfg in configs.items()
+        for adapter in cfg["engine"]["lora"]["adapters"]
+    }
     try:
         records, _ = asyncio.run(drive(routes, warmup, args.concurrency, args.timeout_s))
         failed = [r for r in records if not r.ok]
         if failed:
-            raise RuntimeError(f"warm-up: {len(failed)} of {len(records)} requests failed, first: "
-                               f"status {failed[0].status}: {failed[0].error}")
+            raise RuntimeError(
+                f"warm-up: {len(failed)} of {len(records)} requests failed, first: "
+                f"status {failed[0].status}: {failed[0].error}"
+            )
         cpu0 = fleet_cpu_seconds(list(configs))
         records, wall = asyncio.run(drive(routes, work, args.concurrency, args.timeout_s))
         cpu = fleet_cpu_seconds(list(configs)) - cpu0
@@ -196,14 +242,24 @@ def run_system(base_url: str, apps: Dict[str, object], configs: Dict[str, dict],
         for name in configs:
             serve.delete(name)
     s = summarize(records, wall)
-    return {"apps": len(configs), "replicas": sum(c["replica"]["num_replicas"] for c in configs.values()),
-            "threads_per_replica": next(iter(configs.values()))["engine"]["num_threads"],
-            "start_s": started_s, "requests": s["requests"], "failed": s["failed"],
-            "output_tokens": s["output_tokens"], "wall_s": wall, "output_tokens_per_s": s["output_throughput"],
-            "fleet_cpu_s": cpu, "output_tokens_per_cpu_s": s["output_tokens"] / max(cpu, 1e-9),
-            "ttft_ms_p50": s["ttft_ms"]["p50"], "ttft_ms_p90": s["ttft_ms"]["p90"],
-            "tpot_ms_p50": s["tpot_ms"]["p50"], "failures": s["failures"][:5],
-            "answers": [r.output_text for r in records]}
+    return {
+        "apps": len(configs),
+        "replicas": sum(c["replica"]["num_replicas"] for c in configs.values()),
+        "threads_per_replica": next(iter(configs.values()))["engine"]["num_threads"],
+        "start_s": started_s,
+        "requests": s["requests"],
+        "failed": s["failed"],
+        "output_tokens": s["output_tokens"],
+        "wall_s": wall,
+        "output_tokens_per_s": s["output_throughput"],
+        "fleet_cpu_s": cpu,
+        "output_tokens_per_cpu_s": s["output_tokens"] / max(cpu, 1e-9),
+        "ttft_ms_p50": s["ttft_ms"]["p50"],
+        "ttft_ms_p90": s["ttft_ms"]["p90"],
+        "tpot_ms_p50": s["tpot_ms"]["p50"],
+        "failures": s["failures"][:5],
+        "answers": [r.output_text for r in records],
+    }
 
 
 def compare(by_system: Dict[str, dict]) -> dict:
@@ -212,37 +268,55 @@ def compare(by_system: Dict[str, dict]) -> dict:
     if not mux or not per:
         return {}
     same = sum(a is not None and a == b for a, b in zip(mux["answers"], per["answers"]))
-    return {"throughput_ratio": mux["output_tokens_per_s"] / max(per["output_tokens_per_s"], 1e-9),
-            "per_cpu_s_ratio": mux["output_tokens_per_cpu_s"] / max(per["output_tokens_per_cpu_s"], 1e-9),
-            "ttft_p50_ratio": (mux["ttft_ms_p50"] or 0) / max(per["ttft_ms_p50"] or 0, 1e-9),
-            "answers_equal": same, "answers": len(mux["answers"])}
+    return {
+        "throughput_ratio": mux["output_tokens_per_s"] / max(per["output_tokens_per_s"], 1e-9),
+        "per_cpu_s_ratio": mux["output_tokens_per_cpu_s"] / max(per["output_tokens_per_cpu_s"], 1e-9),
+        "ttft_p50_ratio": (mux["ttft_ms_p50"] or 0) / max(per["ttft_ms_p50"] or 0, 1e-9),
+        "answers_equal": same,
+        "answers": len(mux["answers"]),
+    }
 
 
 def report(args, results: Dict[int, dict]) -> List[dict]:
-    print(f"\nmodel {args.model} ({args.dtype}), adapters of rank {args.rank}; {args.num_requests} requests per K x "
-          f"{args.max_tokens} tokens, greedy, {args.concurrency} in flight; {args.cpus} torch threads per fleet")
-    print(f"{'K':>3} {'system':12} {'apps':>4} {'repl.':>5} {'thr.':>4} {'done':>5} {'fail':>4} {'out tok/s':>9} "
-          f"{'TTFT p50':>9} {'TTFT p90':>9} {'tok/CPU s':>9} {'start s':>7}")
+    print(
+        f"\nmodel {args.model} ({args.dtype}), adapters of rank {args.rank}; {args.num_requests} requests per K x "
+        f"{args.max_tokens} tokens, greedy, {args.concurrency} in flight; {args.cpus} torch threads per fleet"
+    )
+    print(
+        f"{'K':>3} {'system':12} {'apps':>4} {'repl.':>5} {'thr.':>4} {'done':>5} {'fail':>4} {'out tok/s':>9} "
+        f"{'TTFT p50':>9} {'TTFT p90':>9} {'tok/CPU s':>9} {'start s':>7}"
+    )
     checks = []
     for k, res in results.items():
         for system in args.systems:
             m = res["systems"].get(system)
             if m is None:
-                print(f"{k:>3} {system:12} skipped (K > --per-adapter-max-k {args.per_adapter_max_k}: "
-                      f"{k} replicas + {k} ingresses do not fit this machine)")
+                print(
+                    f"{k:>3} {system:12} skipped (K > --per-adapter-max-k {args.per_adapter_max_k}: "
+                    f"{k} replicas + {k} ingresses do not fit this machine)"
+                )
                 continue
-            print(f"{k:>3} {system:12} {m['apps']:>4} {m['replicas']:>5} {m['threads_per_replica']:>4} "
-                  f"{m['requests'] - m['failed']:>5} {m['failed']:>4} {m['output_tokens_per_s']:>9.1f} "
-                  f"{m['ttft_ms_p50'] or 0:>7.0f}ms {m['ttft_ms_p90'] or 0:>7.0f}ms {m['output_tokens_per_cpu_s']:>9.1f} "
-                  f"{m['start_s']:>7.0f}")
+            print(
+                f"{k:>3} {system:12} {m['apps']:>4} {m['replicas']:>5} {m['threads_per_replica']:>4} "
+                f"{m['requests'] - m['failed']:>5} {m['failed']:>4} {m['output_tokens_per_s']:>9.1f} "
+                f"{m['ttft_ms_p50'] or 0:>7.0f}ms {m['ttft_ms_p90'] or 0:>7.0f}ms {m['output_tokens_per_cpu_s']:>9.1f} "
+                f"{m['start_s']:>7.0f}"
+            )
         c = res["comparison"]
         if c:
-            print(f"{k:>3} {'mux / per':12} throughput x{c['throughput_ratio']:.2f}, tokens per CPU s "
-                  f"x{c['per_cpu_s_ratio']:.2f}, TTFT p50 x{c['ttft_p50_ratio']:.2f}, "
-                  f"greedy answers equal {c['answers_equal']}/{c['answers']}")
+            print(
+                f"{k:>3} {'mux / per':12} throughput x{c['throughput_ratio']:.2f}, tokens per CPU s "
+                f"x{c['per_cpu_s_ratio']:.2f}, TTFT p50 x{c['ttft_p50_ratio']:.2f}, "
+                f"greedy answers equal {c['answers_equal']}/{c['answers']}"
+            )
             if k == 8:
-                checks.append({"target": "multiplexed >= 2x per-adapter throughput at K=8",
-                               "value": c["throughput_ratio"], "met": c["throughput_ratio"] >= 2.0})
+                checks.append(
+                    {
+                        "target": "multiplexed >= 2x per-adapter throughput at K=8",
+                        "value": c["throughput_ratio"],
+                        "met": c["throughput_ratio"] >= 2.0,
+                    }
+                )
     for c in checks:
         print(f"target: {c['target']}: x{c['value']:.2f} {'met' if c['met'] else 'MISSED'}")
     return checks
@@ -264,12 +338,19 @@ def main(argv: Optional[Sequence[str]] = None, server=None) -> dict:
         plan = {k: fleets(args, paths, k) for k in args.adapters}
         # Every app is built (its router class serialized) before a handle exists in this process (as
         # load_tests.routing does: serializing a router class after that failed).
-        apps = {name: build_app(cfg) for by_system in plan.values() for configs in by_system.values()
-                for name, cfg in configs.items()}
+        apps = {
+            name: build_app(cfg)
+            for by_system in plan.values()
+            for configs in by_system.values()
+            for name, cfg in configs.items()
+        }
         print(f"{len(paths)} adapters ready in {made_s:.0f} s; load avg {os.getloadavg()[0]:.1f}", flush=True)
         results: Dict[int, dict] = {}
-        with contextlib.nullcontext(server) if server else local_serve(num_cpus=args.cpus,
-                                                                       logging_level="ERROR") as server:
+        with (
+            contextlib.nullcontext(server)
+            if server
+            else local_serve(num_cpus=args.cpus, logging_level="ERROR") as server
+        ):
             for k, by_system in plan.items():
                 work = workload(args, k, args.num_requests, args.max_tokens)
                 # A full wave: every adapter loaded, every batch size up to --concurrency seen once.
@@ -278,13 +359,22 @@ def main(argv: Optional[Sequence[str]] = None, server=None) -> dict:
                 for system, configs in by_system.items():
                     systems[system] = run_system(server.url, apps, configs, work, warmup, args)
                     m = systems[system]
-                    print(f"  K={k} {system}: {m['output_tokens_per_s']:.1f} out tok/s, TTFT p50 "
-                          f"{m['ttft_ms_p50'] or 0:.0f} ms, {m['failed']} failed", flush=True)
+                    print(
+                        f"  K={k} {system}: {m['output_tokens_per_s']:.1f} out tok/s, TTFT p50 "
+                        f"{m['ttft_ms_p50'] or 0:.0f} ms, {m['failed']} failed",
+                        flush=True,
+                    )
                 results[k] = {"systems": systems, "comparison": compare(systems)}
     checks = report(args, results)
-    out = {"benchmark": "lora_fleet", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "args": vars(args), "load_avg_1m": os.getloadavg()[0], "results": results, "targets": checks,
-           "total_seconds": time.perf_counter() - started}
+    out = {
+        "benchmark": "lora_fleet",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "args": vars(args),
+        "load_avg_1m": os.getloadavg()[0],
+        "results": results,
+        "targets": checks,
+        "total_seconds": time.perf_counter() - started,
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))

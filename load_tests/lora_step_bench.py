@@ -7,6 +7,7 @@ rounds, medians. The base batch runs on the same LoRA engine (its forward then d
 and on an engine without LoRA for reference (that one may run compiled: adapters force eager).
 Target (issue 23): a batch with 8 adapters costs <= 1.3x the base step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ def make_adapters(model_name: str, count: int, rank: int, directory: Path) -> Di
     for i in range(count):
         base, _ = load_model(model_name, torch.float32, torch.device("cpu"))
         torch.manual_seed(i)
-        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                                init_lora_weights=False))
+        model = get_peft_model(
+            base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
+        )
         model.save_pretrained(str(directory / f"a{i}"))
         paths[f"a{i}"] = str(directory / f"a{i}")
     return paths
@@ -43,8 +45,10 @@ def make_adapters(model_name: str, count: int, rank: int, directory: Path) -> Di
 def decode_steps(engine: LLMEngine, names: List[Optional[str]], prompt_len: int, steps: int) -> float:
     """Mean seconds of `steps` decode steps of one batch (after its prefill)."""
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-    requests = [engine.make_request([100 + (i * 7 + j) % 5000 for j in range(prompt_len)], params, lora_name=n)
-                for i, n in enumerate(names)]
+    requests = [
+        engine.make_request([100 + (i * 7 + j) % 5000 for j in range(prompt_len)], params, lora_name=n)
+        for i, n in enumerate(names)
+    ]
     for r in requests:
         engine.add(r)
     while any(r.seq.num_output_tokens == 0 for r in requests):  # prefill (and the first token)
@@ -73,27 +77,38 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         lora = {"adapters": paths, "max_loras": args.adapters, "max_lora_rank": args.rank}
         engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=args.batch, lora=lora))
         plain = LLMEngine(EngineConfig(model=args.model, max_num_seqs=args.batch))
-        mixes = {"base, engine without LoRA": (plain, [None] * args.batch),
-                 "base, LoRA engine": (engine, [None] * args.batch),
-                 f"{args.adapters} adapters mixed": (engine, [f"a{i % args.adapters}" for i in range(args.batch)])}
+        mixes = {
+            "base, engine without LoRA": (plain, [None] * args.batch),
+            "base, LoRA engine": (engine, [None] * args.batch),
+            f"{args.adapters} adapters mixed": (engine, [f"a{i % args.adapters}" for i in range(args.batch)]),
+        }
         for eng, names in mixes.values():  # warm-up: first forwards, slot loads
             decode_steps(eng, names, args.prompt_len, 4)
         times: Dict[str, List[float]] = {m: [] for m in mixes}
         for k in range(args.repeats):
-            order = list(mixes)[k % len(mixes):] + list(mixes)[:k % len(mixes)]
+            order = list(mixes)[k % len(mixes) :] + list(mixes)[: k % len(mixes)]
             for m in order:
                 times[m].append(decode_steps(*mixes[m], args.prompt_len, args.steps))
     base = statistics.median(times["base, LoRA engine"])
-    print(f"model {args.model}, decode batch {args.batch}, {args.adapters} adapters of rank {args.rank} on "
-          f"{', '.join(TARGETS)}; median of {args.repeats} rounds of {args.steps} steps")
+    print(
+        f"model {args.model}, decode batch {args.batch}, {args.adapters} adapters of rank {args.rank} on "
+        f"{', '.join(TARGETS)}; median of {args.repeats} rounds of {args.steps} steps"
+    )
     print(f"{'batch':>32} {'step ms':>8} {'vs base (LoRA engine)':>22}")
     rows = []
     for m in mixes:
         med = statistics.median(times[m])
         rows.append({"mix": m, "step_ms": 1000 * med, "vs_base": med / base, "rounds_ms": [1000 * t for t in times[m]]})
         print(f"{m:>32} {1000 * med:>8.1f} {med / base:>22.2f}")
-    result = {"model": args.model, "batch": args.batch, "adapters": args.adapters, "rank": args.rank,
-              "engine_forward": engine.runner.forward.mode, "plain_forward": plain.runner.forward.mode, "rows": rows}
+    result = {
+        "model": args.model,
+        "batch": args.batch,
+        "adapters": args.adapters,
+        "rank": args.rank,
+        "engine_forward": engine.runner.forward.mode,
+        "plain_forward": plain.runner.forward.mode,
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -6,6 +6,7 @@ is the seeds' variance experiment at CPU scale (see load_tests/workload.py); for
 system runs back to back, so drift on a shared machine hits them alike. The naive baseline is timed
 on a representative subset (it is ~10x slower than the rest); its tokens/s is labelled as such.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,21 @@ import torch
 from batcher.model_files import kv_block_bytes
 from load_tests.offline_report import add_ratios, check_targets, format_cap, format_targets
 from load_tests.systems import (
-    Budgets, HFNaive, HFStatic, RunResult, System, TransformersCB, load_hf_model,
+    Budgets,
+    HFNaive,
+    HFStatic,
+    RunResult,
+    System,
+    TransformersCB,
+    load_hf_model,
 )
 from load_tests.workload import (
-    Workload, WorkloadRequest, random_prompts, representative_subset, text_token_range, variance_workloads,
+    Workload,
+    WorkloadRequest,
+    random_prompts,
+    representative_subset,
+    text_token_range,
+    variance_workloads,
 )
 
 ALL_SYSTEMS = ["hf_naive", "hf_static16", "transformers_cb", "engine_static", "engine_continuous", "engine_fast"]
@@ -43,19 +55,28 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--mean-output", type=float, default=32.0, help="mean of the exponential before capping")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"subset of {','.join(ALL_SYSTEMS)}")
-    p.add_argument("--naive-subset", type=int, default=16,
-                   help="requests the naive baseline is timed on per cap (0 = all)")
+    p.add_argument(
+        "--naive-subset", type=int, default=16, help="requests the naive baseline is timed on per cap (0 = all)"
+    )
     p.add_argument("--json", default="results/offline.json")
     p.add_argument("--model", default=d["model"].default)
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
     p.add_argument("--block-size", type=int, default=d["block_size"].default)
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help=f"KV blocks for both paged systems; default: {d['kv_cache_memory_gib'].default} GiB worth")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help=f"KV blocks for both paged systems; default: {d['kv_cache_memory_gib'].default} GiB worth",
+    )
     p.add_argument("--static-batch-size", type=int, default=16)
     p.add_argument("--quantization", choices=["int8"], default=None, help="engine_fast's weight quantization")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="interleaved rounds per cap; each system keeps its fastest (noisy shared machines)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="interleaved rounds per cap; each system keeps its fastest (noisy shared machines)",
+    )
     args = p.parse_args(argv)
     args.caps = [int(c) for c in args.caps.split(",") if c]
     args.systems = [s for s in args.systems.split(",") if s]
@@ -83,8 +104,9 @@ def build_systems(names: List[str], model, tokenizer, args, budgets: Budgets) ->
             from load_tests.engine_system import EngineSystem
 
             if name == "engine_fast":
-                systems[name] = EngineSystem(args.model, budgets, "continuous", fast=True,
-                                             quantization=args.quantization)
+                systems[name] = EngineSystem(
+                    args.model, budgets, "continuous", fast=True, quantization=args.quantization
+                )
             else:
                 scheduling = name.removeprefix("engine_")
                 systems[name] = EngineSystem(args.model, budgets, scheduling, args.static_batch_size)
@@ -93,7 +115,8 @@ def build_systems(names: List[str], model, tokenizer, args, budgets: Budgets) ->
 
 def lengths_wrong(requests: Sequence[WorkloadRequest], result: RunResult) -> int:
     return sum(len(o) != r.max_tokens for r, o in zip(requests, result.outputs)) + abs(
-        len(requests) - len(result.outputs))
+        len(requests) - len(result.outputs)
+    )
 
 
 def agreement(reference: Dict[int, List[int]], outputs: Dict[int, List[int]]) -> dict:
@@ -109,8 +132,7 @@ def agreement(reference: Dict[int, List[int]], outputs: Dict[int, List[int]]) ->
 
     total = sum(len(reference[i]) for i in common)
     matched = sum(prefix(reference[i], outputs[i]) for i in common)
-    return {"compared": len(common), "identical": identical,
-            "common_prefix_share": matched / total if total else 1.0}
+    return {"compared": len(common), "identical": identical, "common_prefix_share": matched / total if total else 1.0}
 
 
 def run_cap(workload: Workload, systems: Dict[str, System], naive_subset: int, repeats: int = 1) -> dict:
@@ -170,11 +192,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     load_at_start = os.getloadavg()[0]
     model, tokenizer = load_hf_model(args.model)
     num_kv_blocks = args.num_kv_blocks or int(
-        args.default_kv_gib * 2**30 // kv_block_bytes(model.config, args.block_size, torch.float32.itemsize))
+        args.default_kv_gib * 2**30 // kv_block_bytes(model.config, args.block_size, torch.float32.itemsize)
+    )
     budgets = Budgets(args.max_num_seqs, args.max_num_batched_tokens, args.block_size, num_kv_blocks)
     token_range = text_token_range(tokenizer)
-    workloads = variance_workloads(args.caps, args.num_prompts, args.prompt_len, args.mean_output,
-                                   token_range, args.seed)
+    workloads = variance_workloads(
+        args.caps, args.num_prompts, args.prompt_len, args.mean_output, token_range, args.seed
+    )
     _log(f"budgets {budgets}; building {args.systems}")
     systems = build_systems(args.systems, model, tokenizer, args, budgets)
 
@@ -202,17 +226,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "command": [sys.argv[0].split(os.sep)[-1]] + list(argv if argv is not None else sys.argv[1:]),
         "finished_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "total_seconds": time.perf_counter() - started,
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": load_at_start,
-                    "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "transformers": __import__("transformers").__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_avg_1m_at_start": load_at_start,
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "transformers": __import__("transformers").__version__,
+        },
         "config": {
-            "model": args.model, "caps": args.caps, "num_prompts": args.num_prompts,
-            "prompt_len": args.prompt_len, "mean_output": args.mean_output, "seed": args.seed,
-            "systems": args.systems, "naive_subset": args.naive_subset,
-            "static_batch_size": args.static_batch_size, "repeats": args.repeats, "budgets": budgets.__dict__,
-            "prompt_token_range": list(token_range), "dtype": "float32", "greedy": True,
-            "ignore_eos": True, "prefix_caching": False,
+            "model": args.model,
+            "caps": args.caps,
+            "num_prompts": args.num_prompts,
+            "prompt_len": args.prompt_len,
+            "mean_output": args.mean_output,
+            "seed": args.seed,
+            "systems": args.systems,
+            "naive_subset": args.naive_subset,
+            "static_batch_size": args.static_batch_size,
+            "repeats": args.repeats,
+            "budgets": budgets.__dict__,
+            "prompt_token_range": list(token_range),
+            "dtype": "float32",
+            "greedy": True,
+            "ignore_eos": True,
+            "prefix_caching": False,
         },
         "notes": [
             "tokens_per_second counts only each request's requested output tokens",

@@ -1,10 +1,15 @@
 """Ratios, target checks and the printed table of the offline benchmark (pure functions on dicts)."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-BASELINES = {"vs_naive": "hf_naive", "vs_static16": "hf_static16", "vs_transformers_cb": "transformers_cb",
-             "vs_engine_eager": "engine_continuous"}
+BASELINES = {
+    "vs_naive": "hf_naive",
+    "vs_static16": "hf_static16",
+    "vs_transformers_cb": "transformers_cb",
+    "vs_engine_eager": "engine_continuous",
+}
 LABELS = {
     "hf_naive": "HF generate, one at a time",
     "hf_static16": "HF generate, static batches of 16",
@@ -43,8 +48,9 @@ def check_targets(systems: Dict[str, dict], cap: int) -> List[dict]:
         value: Optional[float] = entry["ratios"].get(key, entry["metrics"].get(key))
         if value is None:
             continue
-        checks.append({"cap": cap, "system": name, "metric": key, "value": value, "target": minimum,
-                       "met": value >= minimum})
+        checks.append(
+            {"cap": cap, "system": name, "metric": key, "value": value, "target": minimum, "met": value >= minimum}
+        )
     return checks
 
 
@@ -96,6 +102,7 @@ def format_targets(checks: List[dict]) -> str:
     for c in checks:
         shown = _pct(c["value"]) if c["target"] < 1 else _ratio(c["value"])
         want = _pct(c["target"]) if c["target"] < 1 else _ratio(c["target"])
-        lines.append(f"  {c['system']} {c['metric']:<20} {shown:>8} (target >= {want})  "
-                     f"{'met' if c['met'] else 'MISSED'}")
+        lines.append(
+            f"  {c['system']} {c['metric']:<20} {shown:>8} (target >= {want})  {'met' if c['met'] else 'MISSED'}"
+        )
     return "\n".join(lines)

@@ -5,6 +5,7 @@
 - batch occupancy from a real engine trace: slots x iterations, prompt / generated / finished / idle
   cells, one panel per scheduling mode side by side (the seeds' T1..T8 slot diagrams).
 """
+
 from __future__ import annotations
 
 import html
@@ -82,8 +83,12 @@ def plot_occupancy(panels: Sequence[Tuple[str, List[List[int]]]], path: Path, ti
         ax.set_ylabel("batch slot")
         ax.set_yticks(range(len(grid)))
         ax.set_xlim(-0.5, steps - 0.5)
-    fig.legend(handles=[Patch(color=c, label=lab) for c, lab in zip(CELL_COLOURS, CELL_LABELS)],
-               loc="lower center", ncol=4, fontsize=9)
+    fig.legend(
+        handles=[Patch(color=c, label=lab) for c, lab in zip(CELL_COLOURS, CELL_LABELS)],
+        loc="lower center",
+        ncol=4,
+        fontsize=9,
+    )
     fig.suptitle(title or "Batch occupancy")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
@@ -91,13 +96,16 @@ def plot_occupancy(panels: Sequence[Tuple[str, List[List[int]]]], path: Path, ti
     return path
 
 
-def write_html(path: Path, title: str, images: Sequence[Path], tables: Sequence[Tuple[str, str]],
-               notes: Sequence[str] = ()) -> Path:
+def write_html(
+    path: Path, title: str, images: Sequence[Path], tables: Sequence[Tuple[str, str]], notes: Sequence[str] = ()
+) -> Path:
     """A self-contained page (images by relative path): notes, then each (heading, preformatted text)."""
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             "<style>body{font-family:sans-serif;max-width:1500px;margin:2em auto}"
-             "pre{background:#f6f6f6;padding:1em;overflow-x:auto}img{max-width:100%}</style></head><body>",
-             f"<h1>{html.escape(title)}</h1>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:1500px;margin:2em auto}"
+        "pre{background:#f6f6f6;padding:1em;overflow-x:auto}img{max-width:100%}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
     parts += [f"<p>{html.escape(n)}</p>" for n in notes]
     for heading, text in tables:
         parts.append(f"<h2>{html.escape(heading)}</h2><pre>{html.escape(text)}</pre>")

@@ -9,6 +9,7 @@ lookups, load estimates, ranking; `claim`: its prefix claimed on its replica), S
 In an ingress every part runs on its event loop: their sum is the CPU LLMRouter adds to each request
 there (measured in one: docs/routing_results.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,12 @@ def make_router(block_size: int = 8):
 
     from router.llm_router import LLMRouter
 
-    router = LLMRouter(deployment_id=DeploymentID(name="LLMServer", app_name="micro"),
-                       handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(model=MODEL, block_size=block_size, max_num_batched_tokens=2048, max_num_seqs=64,
-                            cost_model="h100-llama3-8b")
+    router = LLMRouter(
+        deployment_id=DeploymentID(name="LLMServer", app_name="micro"), handle_source=DeploymentHandleSource.UNKNOWN
+    )
+    router.initialize_state(
+        model=MODEL, block_size=block_size, max_num_batched_tokens=2048, max_num_seqs=64, cost_model="h100-llama3-8b"
+    )
     return router
 
 
@@ -46,10 +49,20 @@ def fake_fleet(router, replicas: int, prompt_tokens: int, seed: int = 0) -> List
     for i in range(replicas):
         rid = ReplicaID(unique_id=f"r{i}", deployment_id=DeploymentID(name="LLMServer", app_name="micro"))
         running = rng.randrange(64)
-        fleet.append(SimpleNamespace(replica_id=rid, routing_stats={
-            "time_s": now - 0.2, "waiting": rng.randrange(4), "running": running,
-            "queued_prefill_tokens": rng.randrange(4096), "context_tokens": running * 1500,
-            "kv_blocks_free": rng.randrange(50_000), "kv_blocks_total": 50_000}))
+        fleet.append(
+            SimpleNamespace(
+                replica_id=rid,
+                routing_stats={
+                    "time_s": now - 0.2,
+                    "waiting": rng.randrange(4),
+                    "running": running,
+                    "queued_prefill_tokens": rng.randrange(4096),
+                    "context_tokens": running * 1500,
+                    "kv_blocks_free": rng.randrange(50_000),
+                    "kv_blocks_total": 50_000,
+                },
+            )
+        )
         for c in range(20):  # conversations this replica holds
             router.index.insert(rid.unique_id, cacheable_block_hashes(system + [i, c] * (prompt_tokens // 4), 8, root))
         for k in range(8):  # requests this router sent it, not confirmed yet (their prefixes claimed there)
@@ -91,17 +104,22 @@ def time_decisions(replicas: int, prompt_tokens: int, decisions: int) -> dict:
     router = make_router()
     fleet = fake_fleet(router, replicas, prompt_tokens)
     system = list(range(1000, 1000 + prompt_tokens // 2))
-    seconds = time_requests(router, fleet, [system + [d % replicas, d % 20] * (prompt_tokens // 4)
-                                            for d in range(decisions)])
+    seconds = time_requests(
+        router, fleet, [system + [d % replicas, d % 20] * (prompt_tokens // 4) for d in range(decisions)]
+    )
 
     def pcts(xs):
         xs = sorted(x * 1e6 for x in xs)
         return {"p50_us": statistics.median(xs), "p99_us": xs[int(0.99 * (len(xs) - 1))]}
 
     per_request = [sum(parts) for parts in zip(*seconds.values())]
-    return {"replicas": replicas, "prompt_tokens": prompt_tokens, "decisions": decisions,
-            **{part: pcts(xs) for part, xs in seconds.items()},
-            "total_p50_us": statistics.median(per_request) * 1e6}
+    return {
+        "replicas": replicas,
+        "prompt_tokens": prompt_tokens,
+        "decisions": decisions,
+        **{part: pcts(xs) for part, xs in seconds.items()},
+        "total_p50_us": statistics.median(per_request) * 1e6,
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
@@ -110,14 +128,20 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--decisions", type=int, default=500)
     args = p.parse_args(argv)
-    print(f"{'replicas':>8} {'prompt tok':>10} " + " ".join(f"{part + ' p50':>12}" for part in PARTS)
-          + f" {'score p99':>10} {'request p50':>12}")
+    print(
+        f"{'replicas':>8} {'prompt tok':>10} "
+        + " ".join(f"{part + ' p50':>12}" for part in PARTS)
+        + f" {'score p99':>10} {'request p50':>12}"
+    )
     out = []
     for n in map(int, args.replicas.split(",")):
         r = time_decisions(n, args.prompt_tokens, args.decisions)
         out.append(r)
-        print(f"{n:>8} {args.prompt_tokens:>10} " + " ".join(f"{r[part]['p50_us']:>10.0f}us" for part in PARTS)
-              + f" {r['score']['p99_us']:>8.0f}us {r['total_p50_us']:>10.0f}us")
+        print(
+            f"{n:>8} {args.prompt_tokens:>10} "
+            + " ".join(f"{r[part]['p50_us']:>10.0f}us" for part in PARTS)
+            + f" {r['score']['p99_us']:>8.0f}us {r['total_p50_us']:>10.0f}us"
+        )
     return out
 
 

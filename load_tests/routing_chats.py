@@ -2,6 +2,7 @@
 (`shared`; `skew` with half of them on one; `unique`: one-turn chats of their own), and when each
 user's first turn goes out. Each turn is sent after the last answer, at once (a closed loop) or
 after the user's think time (load_tests.bench_client.think_times)."""
+
 from __future__ import annotations
 
 import random
@@ -9,16 +10,19 @@ from typing import List, Optional
 
 from load_tests.bench_client import BenchRequest
 
-_WORDS = ("data model serve token cache route replica batch queue stream system user answer engine "
-          "prompt prefix block memory latency request cluster policy scale shard node tensor").split()
+_WORDS = (
+    "data model serve token cache route replica batch queue stream system user answer engine "
+    "prompt prefix block memory latency request cluster policy scale shard node tensor"
+).split()
 
 
 def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words)) + "."
 
 
-def sessions(kind: str, users: int, turns: int, system_words: int, user_words: int, max_tokens: int,
-             seed: int) -> List[BenchRequest]:
+def sessions(
+    kind: str, users: int, turns: int, system_words: int, user_words: int, max_tokens: int, seed: int
+) -> List[BenchRequest]:
     """One multi-turn chat per user: a system prompt, then its user turns, each sent after the last answer.
     The workloads run one after another on the same fleet: they share the four system prompts (warm,
     as on a fleet in service) but each has its own users' turns, so no workload replays another's
@@ -34,8 +38,14 @@ def sessions(kind: str, users: int, turns: int, system_words: int, user_words: i
             hot = kind == "skew" and u % 2 == 0
             system, n = systems[0 if hot else u % len(systems)], turns
         said = [f"User {u} turn {t}: " + text(rng, user_words) for t in range(n)]
-        out.append(BenchRequest(messages=[{"role": "system", "content": system}, {"role": "user", "content": said[0]}],
-                                followups=tuple(said[1:]), max_tokens=max_tokens, ignore_eos=True))
+        out.append(
+            BenchRequest(
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": said[0]}],
+                followups=tuple(said[1:]),
+                max_tokens=max_tokens,
+                ignore_eos=True,
+            )
+        )
     return out
 
 

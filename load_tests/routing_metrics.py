@@ -1,5 +1,6 @@
 """What one run of `load_tests.routing` measured for one router: the load generator's summary, the
 requests in flight per replica and their balance, and what the routers exchanged; its rounds pooled."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,12 +19,15 @@ def inflight_imbalance(records: Sequence[BenchRecord], num_replicas: int) -> Opt
     (an imbalance matters when there is load: the tail of a run, one request left on one replica,
     weighs little), from when each request was in flight and which replica served it
     (X-Iterserve-Replica). Replicas that served nothing count as idle ones."""
-    served = [(r.start_s, r.start_s + r.e2e_s, r.headers[REPLICA_HEADER]) for r in records if REPLICA_HEADER in r.headers]
+    served = [
+        (r.start_s, r.start_s + r.e2e_s, r.headers[REPLICA_HEADER]) for r in records if REPLICA_HEADER in r.headers
+    ]
     replicas = sorted({replica for _, _, replica in served})
     if not replicas:
         return None
-    events = sorted([(start, 1, replica) for start, _, replica in served] +
-                    [(end, -1, replica) for _, end, replica in served])
+    events = sorted(
+        [(start, 1, replica) for start, _, replica in served] + [(end, -1, replica) for _, end, replica in served]
+    )
     count, weighted, total, last = dict.fromkeys(replicas, 0), 0.0, 0.0, events[0][0]
     for t, delta, replica in events:
         n = sum(count.values())
@@ -38,12 +42,19 @@ def inflight_imbalance(records: Sequence[BenchRecord], num_replicas: int) -> Opt
 def summarize(records: Sequence[BenchRecord], wall_s: float, num_replicas: int) -> dict:
     s = summarize_load(records, wall_s)
     ok = [r for r in records if r.ok]
-    return {"requests": s["requests"], "failed": s["failed"], "cached_share": s.get("cached_token_share", 0.0),
-            "ttft_ms_p50": s["ttft_ms"]["p50"], "ttft_ms_p90": s["ttft_ms"]["p90"], "ttft_ms_p99": s["ttft_ms"]["p99"],
-            "output_tokens_per_s": s["output_throughput"], "wall_s": wall_s,
-            "inflight_max_over_mean": inflight_imbalance(ok, num_replicas),
-            # Little's law: the requests in flight per replica, on average over the run.
-            "inflight_per_replica": sum(r.e2e_s for r in ok) / max(1e-9, wall_s) / num_replicas}
+    return {
+        "requests": s["requests"],
+        "failed": s["failed"],
+        "cached_share": s.get("cached_token_share", 0.0),
+        "ttft_ms_p50": s["ttft_ms"]["p50"],
+        "ttft_ms_p90": s["ttft_ms"]["p90"],
+        "ttft_ms_p99": s["ttft_ms"]["p99"],
+        "output_tokens_per_s": s["output_throughput"],
+        "wall_s": wall_s,
+        "inflight_max_over_mean": inflight_imbalance(ok, num_replicas),
+        # Little's law: the requests in flight per replica, on average over the run.
+        "inflight_per_replica": sum(r.e2e_s for r in ok) / max(1e-9, wall_s) / num_replicas,
+    }
 
 
 def exchange_volume(app: str, before: Optional[dict], after: Optional[dict], wall_s: float) -> Optional[dict]:
@@ -51,14 +62,19 @@ def exchange_volume(app: str, before: Optional[dict], after: Optional[dict], wal
     board's counts before and after it: per second, and the board's CPU share."""
     if after is None:
         return None
+
     def total(stats):
         rows = [c for d, c in (stats or {}).get("deployments", {}).items() if d.startswith(f"{app}/")]
         return {k: sum(c[k] for c in rows) for k in ("pushes", "pulls", "entries_in", "hashes_in", "hashes_out")}
+
     a, b = total(after), total(before)
     per_s = {f"{k}_per_s": (a[k] - b[k]) / wall_s for k in a}
     # Each block crosses as its routing key; what crosses the wire is both directions, pickled (a little more).
-    return {**per_s, "kb_per_s": ROUTING_KEY_BYTES * (per_s["hashes_in_per_s"] + per_s["hashes_out_per_s"]) / 1000,
-            "board_cpu_share": (after["cpu_s"] - (before or {"cpu_s": 0.0})["cpu_s"]) / wall_s}
+    return {
+        **per_s,
+        "kb_per_s": ROUTING_KEY_BYTES * (per_s["hashes_in_per_s"] + per_s["hashes_out_per_s"]) / 1000,
+        "board_cpu_share": (after["cpu_s"] - (before or {"cpu_s": 0.0})["cpu_s"]) / wall_s,
+    }
 
 
 @dataclass

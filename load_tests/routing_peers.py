@@ -7,6 +7,7 @@ prefix tree matches exactly the token prefixes the engines cache (its match rati
 tokens, not characters). Requests with no prompt (stats probes) get None, which makes it fall back
 to its power-of-two choice, as it does for anything it cannot match.
 """
+
 from __future__ import annotations
 
 from typing import Optional

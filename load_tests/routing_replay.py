@@ -12,6 +12,7 @@ trace's prefixes room). A request's first token comes at the end of the step com
 last chunk. The same replay with LLMRouter's scoring fed the model's exact loads (`exact_loads`) is
 the yardstick: where its decisions would be with perfect information. A model, not a measurement.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -63,8 +64,15 @@ class Replay:
 Chooser = Callable[[int, List[ReplicaModel], List[int], float], int]  # (request, fleet, hits, now) -> replica
 
 
-def replay(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
-           choose: Chooser, step: StepTimeModel, shape: EngineShape, replicas: int) -> Replay:
+def replay(
+    prompts: Sequence[Sequence[int]],
+    max_tokens: Sequence[int],
+    arrivals: Sequence[float],
+    choose: Chooser,
+    step: StepTimeModel,
+    shape: EngineShape,
+    replicas: int,
+) -> Replay:
     """Each request, at its arrival, on the replica `choose` names, through the engine model."""
     root = root_hash("replay")
     hashes = [cacheable_block_hashes(p, shape.block_size, root) for p in prompts]
@@ -77,7 +85,7 @@ def replay(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals
 
     def start_step(k: int, now: float) -> None:
         rep = fleet[k]
-        decode = rep.running[:shape.max_num_seqs]
+        decode = rep.running[: shape.max_num_seqs]
         budget, chunks, seqs = shape.max_num_batched_tokens - len(decode), [], len(decode)
         for w in rep.waiting:
             if budget <= 0 or seqs >= shape.max_num_seqs:
@@ -131,8 +139,15 @@ class RouterScoring:
     replays run it, given the loads a router would see: the load bound's recent peak, the mean answer
     so far as the expected one, the fleet's busy share as the model's."""
 
-    def __init__(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], step: StepTimeModel,
-                 shape: EngineShape, config: Optional[LLMRouterConfig] = None, seed: int = 0):
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        step: StepTimeModel,
+        shape: EngineShape,
+        config: Optional[LLMRouterConfig] = None,
+        seed: int = 0,
+    ):
         self.prompts, self.max_tokens, self.step, self.shape = prompts, max_tokens, step, shape
         self.config = config or LLMRouterConfig(model="replay")
         self.rng, self.window, self.seen = np.random.default_rng(seed), LoadWindow(self.config.load_window_s), []
@@ -145,26 +160,45 @@ class RouterScoring:
         request = RoutingRequest(len(prompt), max(1, round(min(self.max_tokens[i], expected))))
         busy = sum(rep.busy_s for rep in fleet) / (len(fleet) * now) if now > 0 else 0.0
         ids = list(range(len(fleet)))
-        ranking = score_replicas(self.step, self.shape, [str(k) for k in ids], loads, cached, request,
-                                 config.load_bound, config.affinity_margin, self.rng,
-                                 fleet_sequences=self.window.peak(now, float(loads.batch.sum())), fleet_busy=busy,
-                                 recent_routes=self.window.recent_routes(now, ids))
+        ranking = score_replicas(
+            self.step,
+            self.shape,
+            [str(k) for k in ids],
+            loads,
+            cached,
+            request,
+            config.load_bound,
+            config.affinity_margin,
+            self.rng,
+            fleet_sequences=self.window.peak(now, float(loads.batch.sum())),
+            fleet_busy=busy,
+            recent_routes=self.window.recent_routes(now, ids),
+        )
         best = int(ranking.order[0])
         self.window.routed(now, best)
         return best
 
 
-def exact_loads(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], step: StepTimeModel,
-                shape: EngineShape, config: Optional[LLMRouterConfig] = None, seed: int = 0) -> Chooser:
+def exact_loads(
+    prompts: Sequence[Sequence[int]],
+    max_tokens: Sequence[int],
+    step: StepTimeModel,
+    shape: EngineShape,
+    config: Optional[LLMRouterConfig] = None,
+    seed: int = 0,
+) -> Chooser:
     """LLMRouter's scoring over the model's exact loads and caches (RouterScoring)."""
     scoring = RouterScoring(prompts, max_tokens, step, shape, config, seed)
 
     def choose(i: int, fleet: List[ReplicaModel], hits: List[int], now: float) -> int:
-        loads = FleetLoads(np.array([rep.queued_tokens() for rep in fleet]),
-                           np.array([float(len(rep.waiting) + len(rep.running)) for rep in fleet]),
-                           np.array([float(sum(d[2] for d in rep.running) + sum(len(prompts[w[0]]) for w in rep.waiting))
-                                     for rep in fleet]),
-                           np.full(len(fleet), math.nan))
+        loads = FleetLoads(
+            np.array([rep.queued_tokens() for rep in fleet]),
+            np.array([float(len(rep.waiting) + len(rep.running)) for rep in fleet]),
+            np.array(
+                [float(sum(d[2] for d in rep.running) + sum(len(prompts[w[0]]) for w in rep.waiting)) for rep in fleet]
+            ),
+            np.full(len(fleet), math.nan),
+        )
         return scoring.choose(i, fleet, hits, now, loads)
 
     return choose
@@ -182,17 +216,26 @@ def chat_turns(work: Sequence[BenchRequest], records: Sequence[BenchRecord], tok
         req = work[r.index]
         history = list(req.messages)
         for t in range(r.turn):
-            history += [{"role": "assistant", "content": answers[(r.index, t)]},
-                        {"role": "user", "content": req.followups[t]}]
+            history += [
+                {"role": "assistant", "content": answers[(r.index, t)]},
+                {"role": "user", "content": req.followups[t]},
+            ]
         ids = prompt_token_ids(tokenizer, GenerateRequest(messages=history))
         turns.append((ids, req.max_tokens, r.start_s, r.headers.get(REPLICA_HEADER), r))
     return tuple(map(list, zip(*turns))) if turns else ([], [], [], [], [])
 
 
-def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
-                    replica_of: Sequence[Optional[str]], step: StepTimeModel, shape: EngineShape, replicas: int,
-                    records: Optional[Sequence[Optional[BenchRecord]]] = None,
-                    samples: Optional[Dict[str, np.ndarray]] = None) -> dict:
+def decisions_ttfts(
+    prompts: Sequence[Sequence[int]],
+    max_tokens: Sequence[int],
+    arrivals: Sequence[float],
+    replica_of: Sequence[Optional[str]],
+    step: StepTimeModel,
+    shape: EngineShape,
+    replicas: int,
+    records: Optional[Sequence[Optional[BenchRecord]]] = None,
+    samples: Optional[Dict[str, np.ndarray]] = None,
+) -> dict:
     """For the routing benchmark: TTFT p50/p90 (ms) of a run's decisions in the model; none when a
     request has no replica (it failed). With the client's records (request order, None where one
     failed), also what each request spent outside the modelled engine (client TTFT less modelled),
@@ -213,11 +256,16 @@ def decisions_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
     client = np.array([x.ttft_s if x and x.ttft_s is not None else math.nan for x in records], dtype=float)
     timing = np.array([server_timing(x.headers.get(TIMING_HEADER) if x else None) for x in records], dtype=float)
     prepare, replica_ttft, ingress_ttft, from_replica = (timing[:, i] / 1000 for i in range(4))
-    parts = {"outside_engine": client - modelled, "replica_ttft": replica_ttft,
-             "replica_over_model": replica_ttft - modelled, "prepare": prepare,
-             "routing_and_hops": ingress_ttft - prepare - replica_ttft,
-             "to_replica": ingress_ttft - prepare - replica_ttft - from_replica, "from_replica": from_replica,
-             "proxy_and_http": client - ingress_ttft}
+    parts = {
+        "outside_engine": client - modelled,
+        "replica_ttft": replica_ttft,
+        "replica_over_model": replica_ttft - modelled,
+        "prepare": prepare,
+        "routing_and_hops": ingress_ttft - prepare - replica_ttft,
+        "to_replica": ingress_ttft - prepare - replica_ttft - from_replica,
+        "from_replica": from_replica,
+        "proxy_and_http": client - ingress_ttft,
+    }
     for name, seconds in parts.items():
         out.update(p50_p90_ms(name, seconds))
         if samples is not None:
@@ -229,19 +277,33 @@ def p50_p90_ms(name: str, seconds: np.ndarray) -> dict:
     """{name_ms_p50, name_ms_p90} of per-request seconds (NaN where a request lacks the figure); none if all do."""
     if np.isnan(seconds).all():
         return {}
-    return {f"{name}_ms_p50": float(np.nanpercentile(seconds, 50) * 1000),
-            f"{name}_ms_p90": float(np.nanpercentile(seconds, 90) * 1000)}
+    return {
+        f"{name}_ms_p50": float(np.nanpercentile(seconds, 50) * 1000),
+        f"{name}_ms_p90": float(np.nanpercentile(seconds, 90) * 1000),
+    }
 
 
 # The parts of a request's TTFT the ingress's Server-Timing header tells (decisions_ttfts' keys).
-TTFT_PARTS = (("replica TTFT", "replica_ttft"), ("replica - replayed", "replica_over_model"), ("prepare", "prepare"),
-              ("routing and hops", "routing_and_hops"), ("of it to the replica", "to_replica"),
-              ("and back", "from_replica"), ("proxy and HTTP", "proxy_and_http"))
+TTFT_PARTS = (
+    ("replica TTFT", "replica_ttft"),
+    ("replica - replayed", "replica_over_model"),
+    ("prepare", "prepare"),
+    ("routing and hops", "routing_and_hops"),
+    ("of it to the replica", "to_replica"),
+    ("and back", "from_replica"),
+    ("proxy and HTTP", "proxy_and_http"),
+)
 
 
 def ttft_parts_line(m: dict) -> str:
-    return ", ".join(f"{what} p50 {m[f'{key}_ms_p50']:.0f} / p90 {m[f'{key}_ms_p90']:.0f}"
-                     for what, key in TTFT_PARTS if f"{key}_ms_p50" in m) + " ms"
+    return (
+        ", ".join(
+            f"{what} p50 {m[f'{key}_ms_p50']:.0f} / p90 {m[f'{key}_ms_p90']:.0f}"
+            for what, key in TTFT_PARTS
+            if f"{key}_ms_p50" in m
+        )
+        + " ms"
+    )
 
 
 def server_timing(header: Optional[str]) -> tuple:
@@ -254,8 +316,14 @@ def server_timing(header: Optional[str]) -> tuple:
     return tuple(found.get(name, math.nan) for name in ("prepare", "replica-ttft", "ttft", "from-replica"))
 
 
-def exact_loads_ttfts(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], arrivals: Sequence[float],
-                      step: StepTimeModel, shape: EngineShape, replicas: int) -> dict:
+def exact_loads_ttfts(
+    prompts: Sequence[Sequence[int]],
+    max_tokens: Sequence[int],
+    arrivals: Sequence[float],
+    step: StepTimeModel,
+    shape: EngineShape,
+    replicas: int,
+) -> dict:
     """For the routing benchmark: TTFT p50/p90 (ms) of LLMRouter's scoring with exact loads, the
     yardstick of the same arrivals (the trace's: one per fleet; a chat run's: its own)."""
     r = replay(prompts, max_tokens, arrivals, exact_loads(prompts, max_tokens, step, shape), step, shape, replicas)

@@ -9,6 +9,7 @@ of: its own at once, the other routers' only `known_after_s` after they were sen
 a report counts them). Prints TTFT p50/p90 for one router and for each delay; writes JSON. What
 router.index_exchange's sharing of sends is for.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,16 @@ from router.scoring import EngineShape, FleetLoads, prefill_rate
 SHAPE = EngineShape(block_size=8, max_num_batched_tokens=2048, max_num_seqs=64)  # load_tests.routing's
 
 
-def stale_reports(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], step: StepTimeModel,
-                  shape: EngineShape, routers: int, report_s: float, known_after_s: float, seed: int = 0) -> Chooser:
+def stale_reports(
+    prompts: Sequence[Sequence[int]],
+    max_tokens: Sequence[int],
+    step: StepTimeModel,
+    shape: EngineShape,
+    routers: int,
+    report_s: float,
+    known_after_s: float,
+    seed: int = 0,
+) -> Chooser:
     """LLMRouter's scoring by `routers` routers over reports every `report_s` (module docstring)."""
     # One scoring per router: each keeps its own window of the requests it sent, as each LLMRouter does.
     scorings = [RouterScoring(prompts, max_tokens, step, shape, seed=seed + r) for r in range(routers)]
@@ -45,8 +54,12 @@ def stale_reports(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], s
         if now - last_report[0] >= report_s:
             last_report[0] = now
             for k, rep in enumerate(fleet):
-                reports[k] = (now, rep.queued_tokens(), float(len(rep.waiting) + len(rep.running)),
-                              float(sum(d[2] for d in rep.running) + sum(len(prompts[w[0]]) for w in rep.waiting)))
+                reports[k] = (
+                    now,
+                    rep.queued_tokens(),
+                    float(len(rep.waiting) + len(rep.running)),
+                    float(sum(d[2] for d in rep.running) + sum(len(prompts[w[0]]) for w in rep.waiting)),
+                )
         me = pick.randrange(routers)
         queued, batch, context = [], [], []
         for k in range(len(fleet)):
@@ -60,8 +73,9 @@ def stale_reports(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], s
             context.append(c + sum(s[2] for s in known))
         loads = FleetLoads(np.array(queued), np.array(batch), np.array(context), np.full(len(fleet), math.nan))
         k = scorings[me].choose(i, fleet, hits, now, loads)
-        sends[k].append((now, len(prompts[i]) - cached_tokens(hits[k], len(prompts[i]), shape.block_size),
-                         len(prompts[i]), me))
+        sends[k].append(
+            (now, len(prompts[i]) - cached_tokens(hits[k], len(prompts[i]), shape.block_size), len(prompts[i]), me)
+        )
         return k
 
     return choose
@@ -73,8 +87,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--routers", type=int, default=2)
     p.add_argument("--report-s", type=float, default=0.5, help="the routing-stats period")
-    p.add_argument("--delays", default="0,0.01,0.02,0.05,0.1,0.25,inf",
-                   help="seconds after which a router knows another's request, comma separated")
+    p.add_argument(
+        "--delays",
+        default="0,0.01,0.02,0.05,0.1,0.25,inf",
+        help="seconds after which a router knows another's request, comma separated",
+    )
     # Mooncake's trace as load_tests.routing replays it on the GPU presets (docs/routing.md).
     p.add_argument("--trace", default="mooncake_conversation")
     p.add_argument("--trace-window-s", type=float, default=600.0)
@@ -84,21 +101,45 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="results/routing_staleness.json")
     args = p.parse_args(argv)
-    trace = trace_workload(args.trace, 0.0, args.trace_window_s, args.trace_speedup, 1.0, args.trace_token_scale,
-                           1 / 16, 32, args.trace_max_prompt, block_size=SHAPE.block_size, seed=args.seed)
+    trace = trace_workload(
+        args.trace,
+        0.0,
+        args.trace_window_s,
+        args.trace_speedup,
+        1.0,
+        args.trace_token_scale,
+        1 / 16,
+        32,
+        args.trace_max_prompt,
+        block_size=SHAPE.block_size,
+        seed=args.seed,
+    )
     prompts, max_tokens = [r.prompt for r in trace.requests], [r.max_tokens for r in trace.requests]
     step = preset_for(f"sim:{args.preset}").step
     runs = [(1, 0.0)] + [(args.routers, float(d)) for d in args.delays.split(",")]
-    print(f"MODEL (load_tests.routing_replay), sim:{args.preset}, {args.replicas} replicas, reports every "
-          f"{args.report_s} s, {len(prompts)} requests")
+    print(
+        f"MODEL (load_tests.routing_replay), sim:{args.preset}, {args.replicas} replicas, reports every "
+        f"{args.report_s} s, {len(prompts)} requests"
+    )
     rows = []
     for routers, delay in runs:
-        r = replay(prompts, max_tokens, trace.arrivals,
-                   stale_reports(prompts, max_tokens, step, SHAPE, routers, args.report_s, delay, args.seed),
-                   step, SHAPE, args.replicas)
-        rows.append({"routers": routers, "known_after_s": delay, "ttft_ms_p50": r.ttft_ms(50), "ttft_ms_p90": r.ttft_ms(90)})
-        print(f"  {routers} router(s), others' requests known after {delay:>5} s: TTFT p50 {r.ttft_ms(50):4.0f} ms, "
-              f"p90 {r.ttft_ms(90):4.0f} ms ({r.ttft_ms(90) / rows[0]['ttft_ms_p90']:.2f}x one router's)", flush=True)
+        r = replay(
+            prompts,
+            max_tokens,
+            trace.arrivals,
+            stale_reports(prompts, max_tokens, step, SHAPE, routers, args.report_s, delay, args.seed),
+            step,
+            SHAPE,
+            args.replicas,
+        )
+        rows.append(
+            {"routers": routers, "known_after_s": delay, "ttft_ms_p50": r.ttft_ms(50), "ttft_ms_p90": r.ttft_ms(90)}
+        )
+        print(
+            f"  {routers} router(s), others' requests known after {delay:>5} s: TTFT p50 {r.ttft_ms(50):4.0f} ms, "
+            f"p90 {r.ttft_ms(90):4.0f} ms ({r.ttft_ms(90) / rows[0]['ttft_ms_p90']:.2f}x one router's)",
+            flush=True,
+        )
     out = {"model": "load_tests.routing_replay", "args": vars(args), "runs": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))

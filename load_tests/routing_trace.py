@@ -6,6 +6,7 @@ Also the share of prompt tokens an infinite prefix cache would serve on the same
 same order (each request's longest prefix, in the engine's blocks, that any earlier request
 had): what no router can beat, the yardstick of the cached share.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,9 +54,20 @@ def infinite_cache_share(prompts: Sequence[Sequence[int]], block_size: int) -> f
     return cached / total if total else 0.0
 
 
-def trace_workload(name: str, start_s: float, window_s: float, speedup: float, rate: float,
-                   token_scale: float, output_scale: float, max_output: int, max_prompt: int,
-                   block_size: int, seed: int = 0, at_ticks: bool = False) -> TraceWorkload:
+def trace_workload(
+    name: str,
+    start_s: float,
+    window_s: float,
+    speedup: float,
+    rate: float,
+    token_scale: float,
+    output_scale: float,
+    max_output: int,
+    max_prompt: int,
+    block_size: int,
+    seed: int = 0,
+    at_ticks: bool = False,
+) -> TraceWorkload:
     """The trace's window [start_s, start_s + window_s), `speedup` times faster, `rate` times the
     users (rate_scaled: copies share nothing with the originals), prompts and prefix blocks
     `token_scale` times as long (cut at `max_prompt` tokens: a cut keeps the prefix), answers
@@ -71,8 +83,12 @@ def trace_workload(name: str, start_s: float, window_s: float, speedup: float, r
     outputs = [max(1, min(max_output, round(int(n) * output_scale))) for n in trace.output_tokens]
     requests = [BenchRequest(prompt=p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, outputs)]
     share, prompt_tokens = infinite_cache_share(prompts, block_size), sum(map(len, prompts))
-    description = {**trace.describe(), "prompt_tokens_mean": prompt_tokens / max(1, len(prompts)),
-                   "output_tokens_mean": sum(outputs) / max(1, len(outputs)), "token_scale": token_scale,
-                   # What any fleet must prefill even with an infinite cache: how busy the trace keeps it.
-                   "uncached_prompt_tokens_per_s": (1 - share) * prompt_tokens / max(1e-9, trace.duration_s)}
+    description = {
+        **trace.describe(),
+        "prompt_tokens_mean": prompt_tokens / max(1, len(prompts)),
+        "output_tokens_mean": sum(outputs) / max(1, len(outputs)),
+        "token_scale": token_scale,
+        # What any fleet must prefill even with an infinite cache: how busy the trace keeps it.
+        "uncached_prompt_tokens_per_s": (1 - share) * prompt_tokens / max(1e-9, trace.duration_s),
+    }
     return TraceWorkload(requests, [float(t) for t in trace.t_s], share, description)

@@ -3,6 +3,7 @@ the outside peer (`transformers serve --continuous-batching`); llama.cpp's serve
 (load_tests/llamacpp_server.py). Each runs in its own process group,
 is ready when GET /health answers 200, and is stopped with everything it started when the block ends.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,14 +19,21 @@ import yaml
 
 
 @contextlib.contextmanager
-def process_group(cmd: List[str], url: str, log_path: Path, start_timeout_s: float, stop_signal: int,
-                   env: Optional[dict] = None) -> Iterator[subprocess.Popen]:
+def process_group(
+    cmd: List[str], url: str, log_path: Path, start_timeout_s: float, stop_signal: int, env: Optional[dict] = None
+) -> Iterator[subprocess.Popen]:
     import httpx
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + start_timeout_s
         while True:
@@ -52,13 +60,26 @@ def process_group(cmd: List[str], url: str, log_path: Path, start_timeout_s: flo
 
 
 @contextlib.contextmanager
-def peer_server(model_dir: str, port: int, log_path: Path, start_timeout_s: float = 300.0,
-                threads: Optional[int] = None) -> Iterator[str]:
+def peer_server(
+    model_dir: str, port: int, log_path: Path, start_timeout_s: float = 300.0, threads: Optional[int] = None
+) -> Iterator[str]:
     """`transformers serve MODEL_DIR --continuous-batching` (fp32, CPU); yields its base URL.
     `threads`: its torch threads (OMP_NUM_THREADS); None: torch's default, every core."""
     exe = Path(sys.executable).parent / "transformers"
-    cmd = [str(exe), "serve", model_dir, "--continuous-batching", "--device", "cpu", "--dtype", "float32",
-           "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        str(exe),
+        "serve",
+        model_dir,
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     with process_group(cmd, url, log_path, start_timeout_s, signal.SIGTERM, env=env):
@@ -77,8 +98,14 @@ def run_config(config_path: str, port: int, args_update: Optional[Dict[str, dict
 
 
 @contextlib.contextmanager
-def serve_run(config_path: str, port: int, log_path: Path, start_timeout_s: float = 300.0,
-              extra_env: Optional[dict] = None, args_update: Optional[Dict[str, dict]] = None) -> Iterator[str]:
+def serve_run(
+    config_path: str,
+    port: int,
+    log_path: Path,
+    start_timeout_s: float = 300.0,
+    extra_env: Optional[dict] = None,
+    args_update: Optional[Dict[str, dict]] = None,
+) -> Iterator[str]:
     """`serve run CONFIG` exactly as `make serve` runs it (its own local Ray cluster), on `port`
     instead of the config's (and with `args_update`, see run_config); yields the application's base
     URL. Stopped with Ctrl-C (SIGINT)."""

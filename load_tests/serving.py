@@ -13,6 +13,7 @@ peer's. Greedy answers are compared: each system's saturated answers against its
 answers (batching must not change them) and against the other system's.
 Prints the table, writes JSON; bounded by a request count per phase and a timeout per request.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,17 +52,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/serving", help="JSON and server logs go here")
-    p.add_argument("--engine-threads", type=int, default=None,
-                   help="both engines on this many torch threads (iterserve: engine.num_threads and "
-                   "replica.num_cpus; the peer: OMP_NUM_THREADS); default: each as configured (2 here)")
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="both engines on this many torch threads (iterserve: engine.num_threads and "
+        "replica.num_cpus; the peer: OMP_NUM_THREADS); default: each as configured (2 here)",
+    )
     return p.parse_args(argv)
 
 
 def workload(args) -> Dict[str, List[BenchRequest]]:
     saturated = variance_requests(args.num_requests, args.input_len, args.mean_output, args.cap, "chat", args.seed)
     # Light requests are the first saturated ones, shorter: their answers must be prefixes of those.
-    light = [BenchRequest(messages=r.messages, max_tokens=min(r.max_tokens, args.light_output), ignore_eos=True)
-             for r in saturated[:args.light_requests]]
+    light = [
+        BenchRequest(messages=r.messages, max_tokens=min(r.max_tokens, args.light_output), ignore_eos=True)
+        for r in saturated[: args.light_requests]
+    ]
     warmup = variance_requests(args.warmup, args.input_len, 8, 8, "chat", args.seed + 1)
     return {"saturated": saturated, "light": light, "warmup": warmup}
 
@@ -76,9 +83,12 @@ async def measure(target: Target, requests: Dict[str, List[BenchRequest]], timeo
     out = {}
     for phase, res in (("saturated", sat), ("light", light)):
         records = sorted(res.records, key=lambda r: r.index)
-        out[phase] = {"summary": summarize(records, res.duration_s), "answers": [r.output_text for r in records],
-                      "output_tokens": [r.output_tokens for r in records],
-                      "errors": [r.error for r in records if not r.ok][:5]}
+        out[phase] = {
+            "summary": summarize(records, res.duration_s),
+            "answers": [r.output_text for r in records],
+            "output_tokens": [r.output_tokens for r in records],
+            "errors": [r.error for r in records if not r.ok][:5],
+        }
     out["saturated"]["cpu_seconds"] = cpu
     return out
 
@@ -101,8 +111,11 @@ def run_system(name: str, args, requests) -> dict:
         started = time.perf_counter()
         result = asyncio.run(measure(target_of(url), requests, args.timeout_s))
     s, lt = result["saturated"]["summary"], result["light"]["summary"]
-    print(f"   {s['output_throughput']:.1f} out tok/s saturated ({s['completed']}/{s['requests']} done), "
-          f"light TTFT p50 {lt['ttft_ms']['p50'] or 0:.0f} ms ({time.perf_counter() - started:.0f} s)", flush=True)
+    print(
+        f"   {s['output_throughput']:.1f} out tok/s saturated ({s['completed']}/{s['requests']} done), "
+        f"light TTFT p50 {lt['ttft_ms']['p50'] or 0:.0f} ms ({time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
     return result
 
 
@@ -114,15 +127,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     requests = workload(args)
     expected = sum(r.max_tokens for r in requests["saturated"])
-    print(f"workload: {args.num_requests} chat requests at t=0 ({expected} output tokens), then "
-          f"{args.light_requests} one at a time (<= {args.light_output} tokens); load avg {os.getloadavg()[0]:.1f}"
-          + (f"; both engines on {args.engine_threads} torch thread(s)" if args.engine_threads else ""))
+    print(
+        f"workload: {args.num_requests} chat requests at t=0 ({expected} output tokens), then "
+        f"{args.light_requests} one at a time (<= {args.light_output} tokens); load avg {os.getloadavg()[0]:.1f}"
+        + (f"; both engines on {args.engine_threads} torch thread(s)" if args.engine_threads else "")
+    )
     started = time.perf_counter()
     by_system = {name: run_system(name, args, requests) for name in systems}
     result = {
-        "benchmark": "serving", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "benchmark": "serving",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
-        "args": vars(args), "expected_output_tokens": expected, "systems": by_system,
+        "args": vars(args),
+        "expected_output_tokens": expected,
+        "systems": by_system,
         "targets": report(by_system, requests),
         "total_seconds": time.perf_counter() - started,
     }

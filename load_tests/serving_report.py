@@ -1,4 +1,5 @@
 """The printed table and targets of `python -m load_tests.serving`, and where the CPU went."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,11 @@ def cpu_seconds() -> Dict[str, float]:
         elif " serve " in f" {cmd} " and "transformers" in cmd:
             role = "transformers serve"
         elif proc.info["name"] in ("raylet", "gcs_server") or "dashboard" in cmd or "log_monitor" in cmd:
-            role = f"ray daemons ({proc.info['name']})" if proc.info["name"] in ("raylet", "gcs_server") \
+            role = (
+                f"ray daemons ({proc.info['name']})"
+                if proc.info["name"] in ("raylet", "gcs_server")
                 else "ray daemons (python)"
+            )
         elif "serve run" in cmd or cmd.endswith("/serve run"):
             role = "serve run (driver)"
         else:
@@ -70,19 +74,31 @@ def report(by_system: Dict[str, dict], requests: Dict[str, list]) -> dict:
         print(line)
     total = len(requests["saturated"])
     expected = sum(r.max_tokens for r in requests["saturated"])
-    print(f"{'completed (saturated)':<32}" + "".join(
-        f"{by_system[n]['saturated']['summary']['completed']:>11}/{total}" for n in names))
-    print(f"{'output tokens (saturated)':<32}" + "".join(
-        f"{sum(by_system[n]['saturated']['output_tokens']):>14}" for n in names) + f"   expected {expected}")
-    print(f"{'one-at-a-time answer = start':<32}" + "".join(
-        f"{_same_answers(by_system[n]['light']['answers'], by_system[n]['saturated']['answers'], True):>14}"
-        for n in names) + "   (batching leaves greedy answers unchanged)")
+    print(
+        f"{'completed (saturated)':<32}"
+        + "".join(f"{by_system[n]['saturated']['summary']['completed']:>11}/{total}" for n in names)
+    )
+    print(
+        f"{'output tokens (saturated)':<32}"
+        + "".join(f"{sum(by_system[n]['saturated']['output_tokens']):>14}" for n in names)
+        + f"   expected {expected}"
+    )
+    print(
+        f"{'one-at-a-time answer = start':<32}"
+        + "".join(
+            f"{_same_answers(by_system[n]['light']['answers'], by_system[n]['saturated']['answers'], True):>14}"
+            for n in names
+        )
+        + "   (batching leaves greedy answers unchanged)"
+    )
     if ours and peer:
         same = _same_answers(ours["saturated"]["answers"], peer["saturated"]["answers"])
         print(f"{'same answer as the peer':<32}{same:>14}   (saturated, greedy, fp32)")
         targets["same_answers_as_peer"] = same
     for n in names:
         cpu = by_system[n]["saturated"]["cpu_seconds"]
-        print(f"CPU seconds in {n}'s saturated phase: " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                                                    sorted(cpu.items(), key=lambda kv: -kv[1])))
+        print(
+            f"CPU seconds in {n}'s saturated phase: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
+        )
     return targets

@@ -14,6 +14,7 @@ By default it starts its own local Ray cluster and Serve app (serve_config.yaml'
 --model swapped in); --base-url targets a running server instead (replica RSS and KV blocks then come
 from --ray-address and --app, or from this process's Ray when it has one; else they are not measured).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,22 +38,35 @@ TARGETS = {"unexpected_errors": 0, "lost": 0, "rss_growth_pct": 5.0, "p99_drift_
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m load_tests.soak", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m load_tests.soak",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--minutes", type=float, default=10.0)
     # 1 req/s is ~24 output tokens/s, half of what one CPU replica of serve_config.yaml sustains on 2
     # cores: a soak watches a server that keeps up; at 2 req/s the queue grows and latency drifts by design.
     p.add_argument("--rate", type=float, default=1.0, help="Poisson request rate (req/s)")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="engine model of the app it starts (tiny-llama for a quick run)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="engine model of the app it starts (tiny-llama for a quick run)",
+    )
     p.add_argument("--base-url", help="a running server instead of starting one")
     p.add_argument("--ray-address", help="with --base-url: the cluster to read replica stats from")
     p.add_argument("--app", default="iterserve", help="with --base-url and --ray-address: the Serve app name")
-    p.add_argument("--mix", default=",".join(f"{k}:{v:g}" for k, v in DEFAULT_MIX.items()),
-                   help="request kinds and weights")
+    p.add_argument(
+        "--mix", default=",".join(f"{k}:{v:g}" for k, v in DEFAULT_MIX.items()), help="request kinds and weights"
+    )
     p.add_argument("--timeout-s", type=float, default=120.0, help="per request; no answer by then = lost")
     p.add_argument("--drain-s", type=float, default=180.0, help="wait for the last answers after the traffic")
-    p.add_argument("--enforce-all-from-min", type=float, default=5.0,
-                   help="runs at least this long also enforce the RSS and drift targets")
+    p.add_argument(
+        "--enforce-all-from-min",
+        type=float,
+        default=5.0,
+        help="runs at least this long also enforce the RSS and drift targets",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="results/soak.json")
     return p.parse_args(argv)
@@ -78,6 +92,7 @@ def app_config(model: str) -> dict:
 
 
 # ---- replica stats (RSS, KV blocks) -------------------------------------------------------------
+
 
 class ReplicaProbe:
     """Engine stats of every LLM replica of an app, through its Serve handle."""
@@ -106,14 +121,24 @@ class ReplicaProbe:
 
 
 def all_free(stats: Dict[str, dict]) -> bool:
-    return bool(stats) and all(s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
-                               for s in stats.values())
+    return bool(stats) and all(
+        s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats.values()
+    )
 
 
 # ---- the run ------------------------------------------------------------------------------------
 
-async def soak(base_url: str, minutes: float, rate: float, probe: Optional[ReplicaProbe], mix=DEFAULT_MIX,
-               seed: int = 0, timeout_s: float = 120.0, drain_s: float = 180.0) -> dict:
+
+async def soak(
+    base_url: str,
+    minutes: float,
+    rate: float,
+    probe: Optional[ReplicaProbe],
+    mix=DEFAULT_MIX,
+    seed: int = 0,
+    timeout_s: float = 120.0,
+    drain_s: float = 180.0,
+) -> dict:
     """Runs the traffic, samples replica RSS at the start, after the first fifth and at the end."""
     duration = minutes * 60.0
     rss: Dict[str, Optional[Dict[str, int]]] = {"before": None, "after_warmup": None, "end": None}
@@ -139,8 +164,14 @@ async def soak(base_url: str, minutes: float, rate: float, probe: Optional[Repli
     return report(records, minutes, rate, wall, rss, end_stats)
 
 
-def report(records: List[SoakRecord], minutes: float, rate: float, wall_s: float, rss: dict,
-           end_stats: Optional[Dict[str, dict]]) -> dict:
+def report(
+    records: List[SoakRecord],
+    minutes: float,
+    rate: float,
+    wall_s: float,
+    rss: dict,
+    end_stats: Optional[Dict[str, dict]],
+) -> dict:
     counts = {k: {o: sum(r.kind == k and r.outcome == o for r in records) for o in OUTCOMES} for k in KINDS}
     errors = [r for r in records if r.outcome == "error"]
     lost = [r for r in records if r.outcome == "lost"]
@@ -154,20 +185,33 @@ def report(records: List[SoakRecord], minutes: float, rate: float, wall_s: float
             a = percentile([getattr(r, metric) for r in first if getattr(r, metric) is not None], p)
             b = percentile([getattr(r, metric) for r in last if getattr(r, metric) is not None], p)
             drift = None if not a or b is None else 100.0 * (b - a) / a
-            latency[f"{metric[:-2]}_p{p}"] = {"first_fifth_ms": a and a * 1000, "last_fifth_ms": b and b * 1000,
-                                              "drift_pct": drift}
+            latency[f"{metric[:-2]}_p{p}"] = {
+                "first_fifth_ms": a and a * 1000,
+                "last_fifth_ms": b and b * 1000,
+                "drift_pct": drift,
+            }
     growth = None
     if rss.get("after_warmup") and rss.get("end"):
         growth = max(100.0 * (rss["end"][rid] - v) / v for rid, v in rss["after_warmup"].items() if rid in rss["end"])
     return {
-        "minutes": minutes, "rate": rate, "wall_s": wall_s, "requests": len(records), "by_kind": counts,
-        "unexpected_errors": len(errors), "unexpected_error_rate": len(errors) / max(1, len(judged)),
-        "lost": len(lost), "latency": latency, "rss_bytes": rss, "rss_growth_pct": growth,
-        "kv_blocks": None if end_stats is None else {rid: {"free": s["kv_blocks_free"], "total": s["kv_blocks_total"]}
-                                                     for rid, s in end_stats.items()},
+        "minutes": minutes,
+        "rate": rate,
+        "wall_s": wall_s,
+        "requests": len(records),
+        "by_kind": counts,
+        "unexpected_errors": len(errors),
+        "unexpected_error_rate": len(errors) / max(1, len(judged)),
+        "lost": len(lost),
+        "latency": latency,
+        "rss_bytes": rss,
+        "rss_growth_pct": growth,
+        "kv_blocks": None
+        if end_stats is None
+        else {rid: {"free": s["kv_blocks_free"], "total": s["kv_blocks_total"]} for rid, s in end_stats.items()},
         "kv_blocks_all_free": None if end_stats is None else all_free(end_stats),
-        "errors": [{"kind": r.kind, "status": r.status, "error": r.error, "start_s": r.start_s}
-                   for r in errors + lost][:50],
+        "errors": [{"kind": r.kind, "status": r.status, "error": r.error, "start_s": r.start_s} for r in errors + lost][
+            :50
+        ],
     }
 
 
@@ -178,11 +222,18 @@ def verdict(rep: dict, enforce_all: bool) -> Dict[str, dict]:
         "unexpected_errors": (rep["unexpected_errors"], "== 0", rep["unexpected_errors"] == 0, True),
         "lost": (rep["lost"], "== 0", rep["lost"] == 0, True),
         "kv_blocks_all_free": (rep["kv_blocks_all_free"], "true", rep["kv_blocks_all_free"], True),
-        "rss_growth_pct": (rep["rss_growth_pct"], f"< {TARGETS['rss_growth_pct']:g}",
-                           None if rep["rss_growth_pct"] is None else rep["rss_growth_pct"] < TARGETS["rss_growth_pct"],
-                           enforce_all),
-        "e2e_p99_drift_pct": (drift, f"< {TARGETS['p99_drift_pct']:g}",
-                              None if drift is None else drift < TARGETS["p99_drift_pct"], enforce_all),
+        "rss_growth_pct": (
+            rep["rss_growth_pct"],
+            f"< {TARGETS['rss_growth_pct']:g}",
+            None if rep["rss_growth_pct"] is None else rep["rss_growth_pct"] < TARGETS["rss_growth_pct"],
+            enforce_all,
+        ),
+        "e2e_p99_drift_pct": (
+            drift,
+            f"< {TARGETS['p99_drift_pct']:g}",
+            None if drift is None else drift < TARGETS["p99_drift_pct"],
+            enforce_all,
+        ),
     }
     return {k: {"value": v, "target": t, "met": m, "enforced": e and m is not None} for k, (v, t, m, e) in rows.items()}
 
@@ -194,22 +245,32 @@ def _fmt(x, unit="") -> str:
 
 
 def format_report(rep: dict, targets: Dict[str, dict]) -> str:
-    lines = [f"== soak: {rep['minutes']:g} min at {rep['rate']:g} req/s (Poisson), {rep['requests']} requests, "
-             f"wall {rep['wall_s']:.0f} s",
-             f"{'kind':12s}" + "".join(f"{o:>14s}" for o in OUTCOMES)]
+    lines = [
+        f"== soak: {rep['minutes']:g} min at {rep['rate']:g} req/s (Poisson), {rep['requests']} requests, "
+        f"wall {rep['wall_s']:.0f} s",
+        f"{'kind':12s}" + "".join(f"{o:>14s}" for o in OUTCOMES),
+    ]
     for kind, counts in rep["by_kind"].items():
         lines.append(f"{kind:12s}" + "".join(f"{counts[o]:>14d}" for o in OUTCOMES))
-    lines.append(f"unexpected error rate {rep['unexpected_error_rate']:.2%} ({rep['unexpected_errors']} errors, "
-                 f"expected 4xx excluded); lost {rep['lost']}")
+    lines.append(
+        f"unexpected error rate {rep['unexpected_error_rate']:.2%} ({rep['unexpected_errors']} errors, "
+        f"expected 4xx excluded); lost {rep['lost']}"
+    )
     lines.append(f"{'latency (ok)':14s} {'first fifth':>12s} {'last fifth':>12s} {'drift':>8s}")
     for name, d in rep["latency"].items():
-        lines.append(f"{name:14s} {_fmt(d['first_fifth_ms'], ' ms'):>12s} {_fmt(d['last_fifth_ms'], ' ms'):>12s} "
-                     f"{_fmt(d['drift_pct'], '%'):>8s}")
+        lines.append(
+            f"{name:14s} {_fmt(d['first_fifth_ms'], ' ms'):>12s} {_fmt(d['last_fifth_ms'], ' ms'):>12s} "
+            f"{_fmt(d['drift_pct'], '%'):>8s}"
+        )
     rss = rep["rss_bytes"]
-    for rid in (rss.get("end") or {}):
-        mib = [None if not rss.get(k) or rid not in rss[k] else rss[k][rid] / 2**20 for k in ("before", "after_warmup", "end")]
-        lines.append(f"replica {rid} RSS MiB: before {_fmt(mib[0])}, after the first fifth {_fmt(mib[1])}, "
-                     f"end {_fmt(mib[2])}")
+    for rid in rss.get("end") or {}:
+        mib = [
+            None if not rss.get(k) or rid not in rss[k] else rss[k][rid] / 2**20
+            for k in ("before", "after_warmup", "end")
+        ]
+        lines.append(
+            f"replica {rid} RSS MiB: before {_fmt(mib[0])}, after the first fifth {_fmt(mib[1])}, end {_fmt(mib[2])}"
+        )
     for rid, kv in (rep["kv_blocks"] or {}).items():
         lines.append(f"replica {rid} KV blocks free at the end: {kv['free']}/{kv['total']}")
     lines.append("targets:")

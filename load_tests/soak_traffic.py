@@ -7,6 +7,7 @@ a 4xx and an error body), `error` (anything else: a 5xx, an error event, a broke
 connection; unexpected), `lost` (no answer within the request timeout, or still open when the run's
 drain ended).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -136,9 +137,16 @@ def pick_kind(rng: random.Random, mix: Dict[str, float]) -> str:
     return rng.choices(list(mix), weights=list(mix.values()))[0]
 
 
-async def run_traffic(base_url: str, duration_s: float, rate: float, mix: Dict[str, float] = DEFAULT_MIX,
-                      seed: int = 0, timeout_s: float = 120.0, drain_s: float = 180.0,
-                      model: Optional[str] = None) -> List[SoakRecord]:
+async def run_traffic(
+    base_url: str,
+    duration_s: float,
+    rate: float,
+    mix: Dict[str, float] = DEFAULT_MIX,
+    seed: int = 0,
+    timeout_s: float = 120.0,
+    drain_s: float = 180.0,
+    model: Optional[str] = None,
+) -> List[SoakRecord]:
     """Sends Poisson arrivals at `rate` for `duration_s`, then waits up to `drain_s` for the last
     answers. Every sent request comes back as one record; any still open after the drain is `lost`."""
     rng = random.Random(f"soak-{seed}")

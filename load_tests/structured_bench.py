@@ -8,6 +8,7 @@ warm-up round that also compiles the grammar; each mix keeps its median. Through
 tokens per second of wall time; TPOT is the mean engine step (one token per running sequence).
 Targets (issue 22): 0% costs nothing measurable against the baseline, 20% costs <= 5% throughput.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,11 @@ TOPICS = ["a city", "a book", "a recipe", "a planet", "a song", "a river", "a pa
 
 def schema(min_items: int) -> dict:
     """An object whose array must hold at least `min_items` strings: longer than any --max-tokens run."""
-    return {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"},
-                                                       "minItems": min_items}}, "required": ["notes"]}
+    return {
+        "type": "object",
+        "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": min_items}},
+        "required": ["notes"],
+    }
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -48,10 +52,14 @@ def requests(engine: LLMEngine, n: int, share: float, max_tokens: int):
     prompts, params = [], []
     for i in range(n):
         text = f"Write notes about {TOPICS[i % len(TOPICS)]} number {i}, as JSON."
-        prompts.append(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                               add_generation_prompt=True))
-        params.append(SamplingParams(max_tokens=max_tokens, temperature=0, structured_outputs=spec) if i in constrained
-                      else SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        prompts.append(
+            tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        )
+        params.append(
+            SamplingParams(max_tokens=max_tokens, temperature=0, structured_outputs=spec)
+            if i in constrained
+            else SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        )
     return prompts, params, len(constrained)
 
 
@@ -68,8 +76,12 @@ def run_once(engine: LLMEngine, prompts, params, stateless: bool = False) -> Dic
     engine.constrained = kept
     tokens = sum(len(o.token_ids) for o in outs)
     assert all(o.finish_reason == "length" for o in outs), "a request ended early: the mixes would differ in work"
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "tpot_ms": 1000 * (c.step_seconds - step_s) / (c.steps - steps)}
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "tpot_ms": 1000 * (c.step_seconds - step_s) / (c.steps - steps),
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -85,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     mixes = ["baseline"] + shares
     rounds: Dict[object, List[Dict[str, float]]] = {m: [] for m in mixes}
     for k in range(args.repeats):
-        for m in mixes[k % len(mixes):] + mixes[:k % len(mixes)]:  # each round starts elsewhere: no order bias
+        for m in mixes[k % len(mixes) :] + mixes[: k % len(mixes)]:  # each round starts elsewhere: no order bias
             if m == "baseline":
                 rounds[m].append(run_once(engine, *unconstrained[:2], stateless=True))
             else:
@@ -94,19 +106,35 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     for m in mixes:
         tps = statistics.median(r["tokens_per_s"] for r in rounds[m])
         tpot = statistics.median(r["tpot_ms"] for r in rounds[m])
-        rows.append({"mix": "baseline (no grammar state)" if m == "baseline" else f"{m:.0%} constrained",
-                     "constrained": 0 if m == "baseline" else work[m][2], "tokens_per_s": tps, "tpot_ms": tpot,
-                     "rounds": rounds[m]})
+        rows.append(
+            {
+                "mix": "baseline (no grammar state)" if m == "baseline" else f"{m:.0%} constrained",
+                "constrained": 0 if m == "baseline" else work[m][2],
+                "tokens_per_s": tps,
+                "tpot_ms": tpot,
+                "rounds": rounds[m],
+            }
+        )
     base = rows[0]["tokens_per_s"]
-    print(f"model {args.model}, {args.num_requests} requests x {args.max_tokens} tokens, greedy; median of "
-          f"{args.repeats} interleaved rounds; JSON schema compiled in {compile_s * 1000:.0f} ms")
+    print(
+        f"model {args.model}, {args.num_requests} requests x {args.max_tokens} tokens, greedy; median of "
+        f"{args.repeats} interleaved rounds; JSON schema compiled in {compile_s * 1000:.0f} ms"
+    )
     print(f"{'mix':>28} {'requests':>9} {'tokens/s':>9} {'TPOT ms':>8} {'vs baseline':>12}")
     for r in rows:
         r["vs_baseline"] = r["tokens_per_s"] / base
-        print(f"{r['mix']:>28} {r['constrained']:>9} {r['tokens_per_s']:>9.1f} {r['tpot_ms']:>8.1f} "
-              f"{r['vs_baseline']:>12.3f}")
-    result = {"model": args.model, "num_requests": args.num_requests, "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "compile_ms": compile_s * 1000, "rows": rows}
+        print(
+            f"{r['mix']:>28} {r['constrained']:>9} {r['tokens_per_s']:>9.1f} {r['tpot_ms']:>8.1f} "
+            f"{r['vs_baseline']:>12.3f}"
+        )
+    result = {
+        "model": args.model,
+        "num_requests": args.num_requests,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "compile_ms": compile_s * 1000,
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -4,6 +4,7 @@ Every system takes a list of `WorkloadRequest`s and returns a `RunResult` whose 
 the tokens request i asked for (what counts as output). Greedy decoding and EOS ignored everywhere, so
 every system does the same work and outputs can be compared token for token.
 """
+
 from __future__ import annotations
 
 import logging
@@ -77,7 +78,7 @@ class HFNaive:
         out = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=request.max_tokens, do_sample=False
         )
-        return out[0, ids.shape[1]:].tolist()
+        return out[0, ids.shape[1] :].tolist()
 
     def warmup(self, requests: Sequence[WorkloadRequest]) -> None:
         for r in requests:
@@ -112,8 +113,8 @@ class HFStatic:
         mask = torch.zeros_like(ids)
         for row, r in enumerate(batch):
             n = len(r.prompt_token_ids)
-            ids[row, width - n:] = torch.tensor(r.prompt_token_ids)
-            mask[row, width - n:] = 1
+            ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - n :] = 1
         longest = max(r.max_tokens for r in batch)
         out = self.model.generate(ids, attention_mask=mask, max_new_tokens=longest, do_sample=False)
         new = out[:, width:]
@@ -123,7 +124,7 @@ class HFStatic:
     def _all(self, requests: Sequence[WorkloadRequest]) -> List[List[int]]:
         outputs: List[List[int]] = []
         for i in range(0, len(requests), self.batch_size):
-            outputs += self._batch(requests[i: i + self.batch_size])
+            outputs += self._batch(requests[i : i + self.batch_size])
         return outputs
 
     def warmup(self, requests: Sequence[WorkloadRequest]) -> None:
@@ -135,7 +136,7 @@ class HFStatic:
         outputs = self._all(requests)
         wall = time.perf_counter() - start
         generated = sum(
-            g * len(requests[i * self.batch_size: (i + 1) * self.batch_size])
+            g * len(requests[i * self.batch_size : (i + 1) * self.batch_size])
             for i, g in enumerate(self.generated_per_batch)
         )
         # Share of generated tokens some request asked for: 1 - the padding waste of static batching.
@@ -184,16 +185,20 @@ class TransformersCB:
         )
         manager.warmup()
         cache = manager.batch_processor.cache
-        self.resolved = {"num_blocks": cache.num_blocks, "max_batch_tokens": cache.max_batch_tokens,
-                         "page_size": self.cb_config.page_size, "max_requests_per_batch":
-                         manager.continuous_batching_config.max_requests_per_batch}
+        self.resolved = {
+            "num_blocks": cache.num_blocks,
+            "max_batch_tokens": cache.max_batch_tokens,
+            "page_size": self.cb_config.page_size,
+            "max_requests_per_batch": manager.continuous_batching_config.max_requests_per_batch,
+        }
         results = {}
         try:
             start = time.perf_counter()
             manager.start()
             for i, r in enumerate(requests):
-                manager.add_request(list(r.prompt_token_ids), request_id=f"r{i}",
-                                    max_new_tokens=r.max_tokens, eos_token_id=-1)
+                manager.add_request(
+                    list(r.prompt_token_ids), request_id=f"r{i}", max_new_tokens=r.max_tokens, eos_token_id=-1
+                )
             while len(results) < len(requests):
                 out = manager.get_result(timeout=1.0)
                 if out is not None and out.is_finished():

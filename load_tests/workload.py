@@ -7,6 +7,7 @@ the same requests keep the same prompts and the same underlying draw across caps
 changes, which is what isolates the effect of output-length variance. EOS is ignored: every request
 generates exactly `max_tokens` tokens.
 """
+
 from __future__ import annotations
 
 import math

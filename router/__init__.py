@@ -14,8 +14,10 @@ __all__ = ["LLMRouter", "LLMRouterConfig"]
 def __getattr__(name):  # Serve's router classes load on first use, not with `import router`
     if name == "LLMRouter":
         from router.llm_router import LLMRouter
+
         return LLMRouter
     if name == "LLMRouterConfig":
         from router.config import LLMRouterConfig
+
         return LLMRouterConfig
     raise AttributeError(name)

@@ -23,6 +23,7 @@ reverse, whatever the preset said. A stale report's fit is unknown, as its load 
 
 `FleetStepTimes` holds one model per candidate replica as columns, for scoring.py's numpy decision.
 """
+
 from __future__ import annotations
 
 import time
@@ -58,8 +59,16 @@ class _Counters:
     @classmethod
     def of(cls, stats) -> "_Counters":
         ended = stats.finished_requests + stats.aborted_requests + stats.failed_requests
-        return cls(stats.steps, stats.step_seconds, stats.tokens_computed, stats.generated_tokens,
-                   ended + stats.waiting + stats.running, ended, stats.ended_output_tokens, stats.context_tokens)
+        return cls(
+            stats.steps,
+            stats.step_seconds,
+            stats.tokens_computed,
+            stats.generated_tokens,
+            ended + stats.waiting + stats.running,
+            ended,
+            stats.ended_output_tokens,
+            stats.context_tokens,
+        )
 
 
 class StepMeter:
@@ -92,8 +101,9 @@ class StepMeter:
         if now.admitted > last.admitted or now.ended > last.ended or computed > 0:
             # Answers are counted whole as they end: tokens sampled in the window and requests ended
             # in it would read short for a window after a load change (its first ends began before it).
-            self._sizes.append((prefill, now.admitted - last.admitted, now.ended_output - last.ended_output,
-                                now.ended - last.ended))
+            self._sizes.append(
+                (prefill, now.admitted - last.admitted, now.ended_output - last.ended_output, now.ended - last.ended)
+            )
         if now.steps <= last.steps:
             return
         n = now.steps - last.steps
@@ -110,8 +120,7 @@ class StepMeter:
         y = np.array([s[2] for s in self._samples])
         wall = sum(w for w, _ in self._busy)
         busy = min(1.0, sum(b for _, b in self._busy) / wall) if wall > 0 else 0.0
-        return {"steps": float(n.sum()), "xtx": ((x.T * n) @ x).tolist(), "xty": ((x.T * n) @ y).tolist(),
-                "busy": busy}
+        return {"steps": float(n.sum()), "xtx": ((x.T * n) @ x).tolist(), "xty": ((x.T * n) @ y).tolist(), "busy": busy}
 
     def request_size(self) -> Optional[Tuple[float, float]]:
         """(prompt tokens computed per request admitted, tokens generated per request ended) over the
@@ -119,8 +128,9 @@ class StepMeter:
         prefill, admitted, generated, ended = (sum(c) for c in zip(*self._sizes)) if self._sizes else (0, 0, 0, 0)
         return (prefill / admitted, generated / ended) if admitted > 0 and ended > 0 and generated > 0 else None
 
-    def capacity(self, prior: StepTimeModel, max_num_seqs: int, max_num_batched_tokens: int,
-                 kv_tokens: Optional[float] = None) -> float:
+    def capacity(
+        self, prior: StepTimeModel, max_num_seqs: int, max_num_batched_tokens: int, kv_tokens: Optional[float] = None
+    ) -> float:
         """Requests per second this replica would complete running all it can (`capacity_rps`), from
         its step times (learned_step over `prior`) and its requests' mean size; 0.0 before it knows
         their size."""
@@ -141,8 +151,14 @@ def completion_rate(step: StepTimeModel, running: float, prompt_tokens: float, o
     return running / (seconds * output_tokens)
 
 
-def capacity_rps(step: StepTimeModel, max_running: float, max_num_batched_tokens: float, prompt_tokens: float,
-                 output_tokens: float, fill: float = 1.0) -> float:
+def capacity_rps(
+    step: StepTimeModel,
+    max_running: float,
+    max_num_batched_tokens: float,
+    prompt_tokens: float,
+    output_tokens: float,
+    fill: float = 1.0,
+) -> float:
     """Requests per second a full engine completes: at `fill` of its running limit, or of the running
     count whose replacements' prompts fill the step's token budget, whichever is lower (long prompts)."""
     output_tokens = max(output_tokens, 1.0)
@@ -199,5 +215,9 @@ class FleetStepTimes:
         return cls.of([coefficients(step)] * n)
 
     def step_seconds(self, prefill_tokens, decode_seqs, context_tokens) -> np.ndarray:
-        return (self.fixed_s + prefill_tokens * self.prefill_token_s + decode_seqs * self.decode_seq_s
-                + context_tokens * self.context_token_s)
+        return (
+            self.fixed_s
+            + prefill_tokens * self.prefill_token_s
+            + decode_seqs * self.decode_seq_s
+            + context_tokens * self.context_token_s
+        )

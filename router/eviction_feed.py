@@ -9,6 +9,7 @@ hashes' routing keys, without the ones cached again since), and this applies the
 applied yet. A replica whose segments it missed (more reports than a report repeats went by unread,
 or the replica's log overflowed) is counted in `gaps`: its stale blocks go only by the index's LRU.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -40,7 +41,8 @@ class EvictionFeed:
             if lost:
                 self.gaps += 1
             self.dropped += self.index.forget(
-                rid, (joined[i:i + ROUTING_KEY_BYTES] for i in range(0, len(joined), ROUTING_KEY_BYTES)))
+                rid, (joined[i : i + ROUTING_KEY_BYTES] for i in range(0, len(joined), ROUTING_KEY_BYTES))
+            )
         self._applied[rid] = segments[-1][0]
 
     def drop(self, rid: str) -> None:

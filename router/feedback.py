@@ -17,6 +17,7 @@ router.llm_router.LLMRouter, and an isinstance check there was always False: no 
 router in a deployed app until 2026-11-27 (tests/test_router_serve.py now records one from another
 process).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -40,8 +41,9 @@ def request_router_of(handle: DeploymentHandle) -> Optional[RequestRouter]:
     return getattr(getattr(wrapper, "_asyncio_router", None), "_request_router", None)
 
 
-def record_answer(handle: DeploymentHandle, request_id: str, prompt_token_ids: Sequence[int],
-                  output_token_ids: Sequence[int]) -> bool:
+def record_answer(
+    handle: DeploymentHandle, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]
+) -> bool:
     """Request `request_id`, sent through `handle`, finished with `output_token_ids` after
     `prompt_token_ids`. False if no LLMRouter routes `handle` (nothing to tell)."""
     record = getattr(request_router_of(handle), "record_answer", None)

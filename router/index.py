@@ -28,6 +28,7 @@ thousands of blocks, and a set each made every full pass of Python's garbage col
 (640,000 blocks: 150 ms with the ingress's loop, its routing and its streams stopped, every time the
 index grew by a quarter). Ints are not tracked by the collector.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -144,7 +145,7 @@ class PrefixIndex:
         holds the chain, then the next one above it. Cost: about log2(len(hashes)) lookups per
         distinct match depth, whatever the fleet size. Counts are multiples of the stride."""
         found: Dict[Hashable, int] = {}
-        stride, hashes = self.stride, hashes[first_routed_block(0, self.stride)::self.stride]
+        stride, hashes = self.stride, hashes[first_routed_block(0, self.stride) :: self.stride]
         top, holders = len(hashes), len(self._blocks.keys() | self._claims.keys())
         while top > 0 and len(found) < holders:
             lo, hi = 0, top  # the deepest depth in [1, top] with more holders than found so far
@@ -196,7 +197,7 @@ class PrefixIndex:
     def kept_keys(self, hashes: Sequence[BlockHash], start: int = 0) -> List[bytes]:
         """The routing keys of the blocks of chain `hashes` (root first) this index keeps (one a
         stride, counted from the root: block_hash.first_routed_block), from block `start` on."""
-        return [routing_key(h) for h in hashes[first_routed_block(start, self.stride)::self.stride]]
+        return [routing_key(h) for h in hashes[first_routed_block(start, self.stride) :: self.stride]]
 
     def _disown(self, h: BlockHash, replica: Hashable) -> None:
         owners = self._owners.get(h)

@@ -23,6 +23,7 @@ The exchanges of every deployment live in one small async actor per cluster (`Ex
 worker process), owned by the process that made it (an ingress replica): it goes with it, and the
 next call makes a new one (what routers learn is soft state). Each router's side: router/index_sync.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,7 @@ Entry = Tuple[str, bytes, Optional[tuple], Optional[str]]
 SUBSCRIPTION_S = 10.0
 
 
-def pack(replica: str, keys: Sequence[bytes], sent: Optional[Routed] = None,
-         extends: Optional[str] = None) -> Entry:
+def pack(replica: str, keys: Sequence[bytes], sent: Optional[Routed] = None, extends: Optional[str] = None) -> Entry:
     """An entry of the routing keys `keys` (block_hash.routing_key) of blocks cached on `replica`."""
     send = None if sent is None else (sent.routed_at, sent.prompt_tokens, sent.uncached_tokens, sent.request_id)
     return replica, b"".join(keys), send, extends
@@ -62,7 +62,7 @@ def pack(replica: str, keys: Sequence[bytes], sent: Optional[Routed] = None,
 def unpack(entry: Entry) -> Tuple[str, List[bytes], Optional[Routed], Optional[str]]:
     """The entry's replica, its chain as routing keys, the request sent and the request it ends."""
     replica, joined, send, extends = entry
-    hashes = [joined[i:i + ROUTING_KEY_BYTES] for i in range(0, len(joined), ROUTING_KEY_BYTES)]
+    hashes = [joined[i : i + ROUTING_KEY_BYTES] for i in range(0, len(joined), ROUTING_KEY_BYTES)]
     return replica, hashes, None if send is None else Routed(*send), extends
 
 
@@ -98,8 +98,9 @@ class IndexExchange:
         self._heard(router)
         cursor = 0 if cursor is None else cursor
         start = self._log[0][0] if self._log else self._seq + 1
-        news = [entry for _, src, entry in itertools.islice(self._log, max(0, cursor + 1 - start), None)
-                if src != router]
+        news = [
+            entry for _, src, entry in itertools.islice(self._log, max(0, cursor + 1 - start), None) if src != router
+        ]
         c = self.counts
         c["entries_out"] += len(news)
         c["hashes_out"] += sum(len(e[1]) for e in news) // ROUTING_KEY_BYTES
@@ -146,8 +147,9 @@ class ExchangeBoard:
             except asyncio.TimeoutError:
                 pass
 
-    async def subscribe(self, deployment: str, router: str, cursor: Optional[int], wait_s: float,
-                        lifetime_s: float = SUBSCRIPTION_S):
+    async def subscribe(
+        self, deployment: str, router: str, cursor: Optional[int], wait_s: float, lifetime_s: float = SUBSCRIPTION_S
+    ):
         """`pull` after `pull`, each batch sent as it comes. Called streaming, a batch is one message
         to the router where a pull is a call: about half the board's CPU, and no call for the router."""
         loop = asyncio.get_running_loop()
@@ -160,9 +162,13 @@ class ExchangeBoard:
         """What went through each deployment's exchange so far (counts since the board started; the
         routers heard from lately), and the CPU seconds this process has used: what sharing costs,
         for benchmarks and operators."""
-        return {"cpu_s": time.process_time(),
-                "deployments": {d: {**ex.counts, "log_hashes": ex._hashes, "routers": len(ex._seen)}
-                                for d, ex in self._exchanges.items()}}
+        return {
+            "cpu_s": time.process_time(),
+            "deployments": {
+                d: {**ex.counts, "log_hashes": ex._hashes, "routers": len(ex._seen)}
+                for d, ex in self._exchanges.items()
+            },
+        }
 
     def _exchange(self, deployment: str) -> IndexExchange:
         return self._exchanges.setdefault(deployment, IndexExchange())

@@ -1,6 +1,7 @@
 """Each router's side of the routers' exchange (router/index_exchange.py): `IndexSync` pushes what
 this router learns and sends, and applies what the others push, through the cluster's
 `ExchangeBoard` actor (`_ActorBoard`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -53,8 +54,13 @@ class IndexSync:
         self._prompts: "OrderedDict[str, List[bytes]]" = OrderedDict()  # their routing keys
         self._prompt_hashes = 0
 
-    def learned(self, replica: str, hashes: Sequence[BlockHash], sent: Optional[Routed] = None,
-                extends: Optional[Tuple[str, int]] = None) -> None:
+    def learned(
+        self,
+        replica: str,
+        hashes: Sequence[BlockHash],
+        sent: Optional[Routed] = None,
+        extends: Optional[Tuple[str, int]] = None,
+    ) -> None:
         """`hashes` (a chain) is cached on `replica`, as far as this router knows, and (`sent`) this
         router has just sent it that request, or (`extends`: its id and its prompt's block count) the
         chain is that request's prompt and answer: for the others, pushed as soon as the loop is free
@@ -114,7 +120,8 @@ class IndexSync:
         while True:  # subscribed again when a subscription ends (SUBSCRIPTION_S) or fails
             try:
                 async for self._cursor, news, self._others in self._board.subscribe(
-                        self.deployment, self.router_id, self._cursor, self.period_s):
+                    self.deployment, self.router_id, self._cursor, self.period_s
+                ):
                     self._take(news, apply)
             except Exception as e:  # as in _flush
                 log.debug("index exchange subscription failed (%s); retrying", e)
@@ -165,7 +172,8 @@ class _ActorBoard:
         actor = await self._handle()
         try:
             async for batch in actor.subscribe.options(num_returns="streaming").remote(
-                    deployment, router, cursor, wait_s):
+                deployment, router, cursor, wait_s
+            ):
                 yield await batch
         except ray.exceptions.RayActorError:
             self._lost(actor)

@@ -21,6 +21,7 @@ in flight on their replica too, until the router that sent them shares their ans
 report of it counts them (from then on its reports do) or, taken `FOREIGN_GRACE_S` after they were
 sent, does not (they ended without an answer this router heard of).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -58,8 +59,14 @@ class _Entry:
 
 
 class RequestLedger:
-    def __init__(self, index: PrefixIndex, max_requests: int, forget_after_s: float = FORGET_AFTER_S,
-                 answer_wait_s: float = ANSWER_WAIT_S, max_completed: int = MAX_COMPLETED):
+    def __init__(
+        self,
+        index: PrefixIndex,
+        max_requests: int,
+        forget_after_s: float = FORGET_AFTER_S,
+        answer_wait_s: float = ANSWER_WAIT_S,
+        max_completed: int = MAX_COMPLETED,
+    ):
         self.index = index
         self.max_requests = max_requests
         self.forget_after_s, self.answer_wait_s = forget_after_s, answer_wait_s
@@ -166,7 +173,6 @@ class RequestLedger:
             done.append(replace(routed, completed_at=now))
             self._bump(replica)
 
-
     def sent_on(self, key: str) -> Optional[Routed]:
         """What counts for request `key` on its replica while it counts in flight; else None."""
         entry = self._entries.get(key)
@@ -206,8 +212,9 @@ class RequestLedger:
                 done.popleft()
             self._bump(replica)
         foreign = self._foreign.get(replica)
-        gone = [k for k, r in (foreign or {}).items()
-                if counted_in(report, r) or r.routed_at < time_s - FOREIGN_GRACE_S]
+        gone = [
+            k for k, r in (foreign or {}).items() if counted_in(report, r) or r.routed_at < time_s - FOREIGN_GRACE_S
+        ]
         for key in gone:
             del foreign[key]
             self._inflight[replica].pop(key, None)
@@ -237,7 +244,8 @@ class RequestLedger:
     def _enter(self, key: str, entry: _Entry, replica: str, cached_tokens: int, now: float) -> None:
         sizes = entry.request.sizes
         self._inflight.setdefault(replica, {})[key] = Routed(
-            now, sizes.prompt_tokens, sizes.prompt_tokens - cached_tokens, entry.request.request_id)
+            now, sizes.prompt_tokens, sizes.prompt_tokens - cached_tokens, entry.request.request_id
+        )
         entry.replica, entry.confirmed, entry.since = replica, False, now
         self._bump(replica)
 

@@ -12,6 +12,7 @@ this class is the decision and Serve's hooks feeding the ledger.
 
     request_router_class: router:LLMRouter   (serve_config.yaml, under args.router)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,22 @@ from router.index import PrefixIndex
 from router.index_sync import IndexSync
 from router.ledger import HashedRequest, RequestLedger
 from router.load_bound import LoadWindow
-from router.scoring import (EngineShape, Ranking, ReplicaLoad, Report, Routed, RoutingRequest, adapter_costs,
-                            fleet_loads, load_row, own_load, prefill_rate, replica_load, score_replicas, stale_rows)
+from router.scoring import (
+    EngineShape,
+    Ranking,
+    ReplicaLoad,
+    Report,
+    Routed,
+    RoutingRequest,
+    adapter_costs,
+    fleet_loads,
+    load_row,
+    own_load,
+    prefill_rate,
+    replica_load,
+    score_replicas,
+    stale_rows,
+)
 
 _TOP_RANKS = 3  # ranked one by one; the rest form one last group (Serve takes its least loaded)
 _NO_LOAD = (-math.inf, -math.inf, 0.0, 0.0, 0.0, math.nan)  # a load row (scoring.load_row) that is never fresh
@@ -65,13 +80,17 @@ class LLMRouter(RequestRouter):
         # replicas, handle callers: each routes with its own) and theirs taken (router.index_exchange).
         # Entries carry the blocks the index keeps, so only routers keeping the same ones share.
         deployment = getattr(self, "_deployment_id", None)
-        self.sync = IndexSync(cfg.share_index_s, f"{getattr(deployment, 'app_name', '')}/"
-                              f"{getattr(deployment, 'name', '')}/stride{self.index.stride}", self.index.kept_keys)
+        self.sync = IndexSync(
+            cfg.share_index_s,
+            f"{getattr(deployment, 'app_name', '')}/{getattr(deployment, 'name', '')}/stride{self.index.stride}",
+            self.index.kept_keys,
+        )
 
     # ---- the decision ------------------------------------------------------------------------------
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
         if pending_request is None:  # Serve asks without a request when it only wants any replica
@@ -86,7 +105,8 @@ class LLMRouter(RequestRouter):
         # Serve asks again for the same request (backoff, a rejection): hashed once, counted once.
         taken_back = self.ledger.take_back(key)
         request = taken_back or self.prepare(
-            pending_request.args[0], getattr(pending_request.metadata, "multiplexed_model_id", None))
+            pending_request.args[0], getattr(pending_request.metadata, "multiplexed_model_id", None)
+        )
         ranking = self.score(candidate_replicas, request)
         best = ranking[0]
         if taken_back is None:
@@ -115,13 +135,17 @@ class LLMRouter(RequestRouter):
         expected = self._mean_output_tokens or self.config.default_output_tokens
         max_tokens = getattr(request, "max_tokens", None)
         out = min(max_tokens, expected) if max_tokens else expected
-        return HashedRequest(getattr(request, "request_id", None), root,
-                             cacheable_block_hashes(ids, self.shape.block_size, root),
-                             RoutingRequest(prompt_tokens=max(1, len(ids)), output_tokens=max(1, round(out))),
-                             adapter)
+        return HashedRequest(
+            getattr(request, "request_id", None),
+            root,
+            cacheable_block_hashes(ids, self.shape.block_size, root),
+            RoutingRequest(prompt_tokens=max(1, len(ids)), output_tokens=max(1, round(out))),
+            adapter,
+        )
 
-    def score(self, candidates: Sequence[RunningReplica], request: HashedRequest,
-              now: Optional[float] = None) -> Ranking:
+    def score(
+        self, candidates: Sequence[RunningReplica], request: HashedRequest, now: Optional[float] = None
+    ) -> Ranking:
         now = time.time() if now is None else now
         cfg = self.config
         rids = [r.replica_id.unique_id for r in candidates]  # str keys: ReplicaID hashes in Python, 10x slower
@@ -133,19 +157,34 @@ class LLMRouter(RequestRouter):
         fresh_busy = busy[~stale & ~np.isnan(busy)]
         steps = FleetStepTimes.of(step_rows)
         rates = prefill_rate(steps, self.shape)
-        loads = fleet_loads(load_rows, now, cfg.max_stats_age_s, rates,
-                            lambda i: own_load(list(self.ledger.inflight(rids[i])), now, rates[i]))
+        loads = fleet_loads(
+            load_rows,
+            now,
+            cfg.max_stats_age_s,
+            rates,
+            lambda i: own_load(list(self.ledger.inflight(rids[i])), now, rates[i]),
+        )
         matched = self.index.matched_blocks(request.hashes)
         cached = np.fromiter((self._cached_tokens(request, matched.get(rid, 0)) for rid in rids), float, len(rids))
-        return score_replicas(steps, self.shape, rids, loads, cached, request.sizes,
-                              cfg.load_bound, cfg.affinity_margin, self._rng,
-                              fleet_sequences=self.window.peak(now, float(loads.batch.sum())),
-                              recent_routes=self.window.recent_routes(now, rids),
-                              fleet_busy=float(fresh_busy.mean()) if len(fresh_busy) else 0.0,
-                              adapter_seconds=self._adapter_seconds(request.adapter, candidates, rids, now))
+        return score_replicas(
+            steps,
+            self.shape,
+            rids,
+            loads,
+            cached,
+            request.sizes,
+            cfg.load_bound,
+            cfg.affinity_margin,
+            self._rng,
+            fleet_sequences=self.window.peak(now, float(loads.batch.sum())),
+            recent_routes=self.window.recent_routes(now, rids),
+            fleet_busy=float(fresh_busy.mean()) if len(fresh_busy) else 0.0,
+            adapter_seconds=self._adapter_seconds(request.adapter, candidates, rids, now),
+        )
 
-    def _adapter_seconds(self, adapter: Optional[str], candidates: Sequence[RunningReplica], rids: List[str],
-                         now: float) -> Optional[np.ndarray]:
+    def _adapter_seconds(
+        self, adapter: Optional[str], candidates: Sequence[RunningReplica], rids: List[str], now: float
+    ) -> Optional[np.ndarray]:
         """The adapter first: replicas holding it (their reports, Serve's multiplexed model ids, or this
         router sent it there within a report's age) load nothing; the others pay its load."""
         if adapter is None:
@@ -156,8 +195,11 @@ class LLMRouter(RequestRouter):
             report = (self._reports.get(rid) or (None, None))[1]
             loras = report.loras if report is not None else {}
             resident[i] = len(loras)
-            holds[i] = (adapter in loras or adapter in getattr(r, "multiplexed_model_ids", ())
-                        or now - sent.get(rid, -math.inf) <= self.config.max_stats_age_s)
+            holds[i] = (
+                adapter in loras
+                or adapter in getattr(r, "multiplexed_model_ids", ())
+                or now - sent.get(rid, -math.inf) <= self.config.max_stats_age_s
+            )
         return adapter_costs(holds, resident, self.config.adapter_load_s)
 
     def _sent_adapter(self, request: HashedRequest, rid: str) -> None:
@@ -168,13 +210,20 @@ class LLMRouter(RequestRouter):
         # Never the last token: the engine always computes it.
         return min(matched_blocks * self.shape.block_size, request.sizes.prompt_tokens - 1)
 
-    def load(self, rid: str, stats: Optional[dict], prefill_tokens_per_s: Optional[float] = None) -> Optional[ReplicaLoad]:
+    def load(
+        self, rid: str, stats: Optional[dict], prefill_tokens_per_s: Optional[float] = None
+    ) -> Optional[ReplicaLoad]:
         """Replica `rid`'s load as of its report `stats` (None: no report), this router's requests applied;
         its prefill rate, unless given, from the step times the report implies."""
         if prefill_tokens_per_s is None:
             prefill_tokens_per_s = float(prefill_rate(self.step_times(stats), self.shape))
-        return replica_load(self._report(rid, stats), self.ledger.inflight(rid), self.ledger.completed(rid),
-                            self.shape.block_size, prefill_tokens_per_s)
+        return replica_load(
+            self._report(rid, stats),
+            self.ledger.inflight(rid),
+            self.ledger.completed(rid),
+            self.shape.block_size,
+            prefill_tokens_per_s,
+        )
 
     def step_times(self, stats: Optional[dict]):
         """The step-time model a replica's report `stats` implies: its measurements (`step_fit`)
@@ -192,10 +241,16 @@ class LLMRouter(RequestRouter):
         version = self.ledger.version(rid)
         if cached is not None and cached[0] is stats and cached[1] == version:
             return cached[2]
-        steps = cached[3] if cached is not None and cached[0] is stats else (
-            coefficients(self.step_times(stats)) + (((stats or {}).get("step_fit") or {}).get("busy", math.nan),))
-        load = None if report is None else self.load(
-            rid, stats, float(prefill_rate(FleetStepTimes.of([steps[:4]]), self.shape)[0]))
+        steps = (
+            cached[3]
+            if cached is not None and cached[0] is stats
+            else (coefficients(self.step_times(stats)) + (((stats or {}).get("step_fit") or {}).get("busy", math.nan),))
+        )
+        load = (
+            None
+            if report is None
+            else self.load(rid, stats, float(prefill_rate(FleetStepTimes.of([steps[:4]]), self.shape)[0]))
+        )
         row = (_NO_LOAD if load is None else load_row(load)) + steps
         self._rows[rid] = (stats, version, row, steps)
         return row
@@ -264,8 +319,9 @@ class LLMRouter(RequestRouter):
         extends = (request.request_id, len(request.hashes)) if request.request_id else None
         self.sync.learned(rid, hashes, extends=extends)
 
-    def _learned_elsewhere(self, rid: str, keys: List[bytes], sent: Optional[Routed] = None,
-                           ended: Optional[str] = None) -> None:
+    def _learned_elsewhere(
+        self, rid: str, keys: List[bytes], sent: Optional[Routed] = None, ended: Optional[str] = None
+    ) -> None:
         """Another router of this deployment learned that `rid` caches a chain (`keys`: the routing keys
         of the blocks the index keeps of it), and (`sent`) has just sent it that request: it counts
         there until `rid`'s reports do, or until that router hears its answer (`ended`: its request id)."""

@@ -3,6 +3,7 @@ replica may hold, and its window (`load_window_s`): what the fleet held, and whe
 requests, over the last seconds. The bound judges a replica by these rather than by one instant's
 counts: at a handful of sequences an instant's count is mostly chance (a user reading between turns,
 the last users of a wave), and acting on chance moves conversations off their caches."""
+
 from __future__ import annotations
 
 import math

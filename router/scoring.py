@@ -20,6 +20,7 @@ Per replica the load is one row (`ReplicaLoad`), rebuilt only when its report or
 on it change; a decision scores the whole fleet at once over those rows with numpy.
 Pure functions over plain data classes: unit-tested without Ray.
 """
+
 from __future__ import annotations
 
 import math
@@ -124,8 +125,13 @@ def prefill_backlog(tokens: float, since: float, sends: Iterable[Routed], prefil
     return tokens, last
 
 
-def replica_load(report: Optional[Report], inflight: Iterable[Routed], completed: Iterable[Routed],
-                 block_size: int, prefill_tokens_per_s: float) -> Optional[ReplicaLoad]:
+def replica_load(
+    report: Optional[Report],
+    inflight: Iterable[Routed],
+    completed: Iterable[Routed],
+    block_size: int,
+    prefill_tokens_per_s: float,
+) -> Optional[ReplicaLoad]:
     """The report corrected by this router's own knowledge: requests in flight it does not count
     yet are added (their prefill queued behind the report's, prefill_backlog); requests it counts
     that have completed since are taken out (and only those: a completion a later report already
@@ -157,9 +163,13 @@ def own_load(inflight: Sequence[Routed], now: float, prefill_tokens_per_s: float
     """What this router alone knows of a replica: its own in-flight requests, their prefill
     done in order at the replica's rate since they were sent."""
     queued, at = prefill_backlog(0.0, -math.inf, inflight, prefill_tokens_per_s)
-    return ReplicaLoad(queued_prefill_tokens=max(0.0, queued - (now - at) * prefill_tokens_per_s) if inflight else 0.0,
-                       batch=len(inflight), context_tokens=sum(r.prompt_tokens for r in inflight), kv_blocks_free=None,
-                       time_s=now)
+    return ReplicaLoad(
+        queued_prefill_tokens=max(0.0, queued - (now - at) * prefill_tokens_per_s) if inflight else 0.0,
+        batch=len(inflight),
+        context_tokens=sum(r.prompt_tokens for r in inflight),
+        kv_blocks_free=None,
+        time_s=now,
+    )
 
 
 @dataclass
@@ -179,12 +189,19 @@ def stale_rows(rows: np.ndarray, now: float, max_age_s: float) -> np.ndarray:
 
 def load_row(load: ReplicaLoad) -> Tuple[float, ...]:
     """A load as one row of the numbers fleet_loads reads."""
-    return (load.time_s, load.queued_since, load.queued_prefill_tokens, load.batch, load.context_tokens,
-            math.nan if load.kv_blocks_free is None else load.kv_blocks_free)
+    return (
+        load.time_s,
+        load.queued_since,
+        load.queued_prefill_tokens,
+        load.batch,
+        load.context_tokens,
+        math.nan if load.kv_blocks_free is None else load.kv_blocks_free,
+    )
 
 
-def fleet_loads(rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_per_s,
-                own: Callable[[int], ReplicaLoad]) -> FleetLoads:
+def fleet_loads(
+    rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_per_s, own: Callable[[int], ReplicaLoad]
+) -> FleetLoads:
     """Columns from cached rows (load_row: time_s, queued since, queued, batch, context, kv_free;
     time_s = -inf: no report), the queued prefill decayed to `now`. A replica without a fresh report
     is assumed at least as loaded as the fleet's average known replica and as what this router sent
@@ -205,15 +222,17 @@ def fleet_loads(rows: np.ndarray, now: float, max_age_s: float, prefill_tokens_p
     return FleetLoads(queued, batch, context, kv_free)
 
 
-def expected_seconds(step: StepTimes, shape: EngineShape, loads: FleetLoads, uncached_tokens: np.ndarray,
-                     request: RoutingRequest) -> Tuple[np.ndarray, np.ndarray]:
+def expected_seconds(
+    step: StepTimes, shape: EngineShape, loads: FleetLoads, uncached_tokens: np.ndarray, request: RoutingRequest
+) -> Tuple[np.ndarray, np.ndarray]:
     """Expected time to the request's first token and to its last, on each replica."""
     mns = shape.max_num_seqs
     in_batch = np.minimum(loads.batch, mns)
     prefill_per_step = np.maximum(1.0, shape.max_num_batched_tokens - in_batch)
     prefill = loads.queued + uncached_tokens
     first = np.ceil(prefill / prefill_per_step) * step.step_seconds(
-        np.minimum(prefill, prefill_per_step), in_batch, loads.context)
+        np.minimum(prefill, prefill_per_step), in_batch, loads.context
+    )
     joined = np.minimum(loads.batch + 1, mns)
     decode = request.output_tokens * step.step_seconds(0, joined, loads.context + request.prompt_tokens)
     # A full batch: wait for that many sequences to finish first.
@@ -248,15 +267,30 @@ class Ranking(Sequence):
         if isinstance(rank, slice):
             return [self[i] for i in range(*rank.indices(len(self)))]
         i = self.order[rank]
-        return Score(self.replicas[i], float(self.seconds[i]), bool(self.kv_full[i]), bool(self.over_bound[i]),
-                     int(self.cached_tokens[i]))
+        return Score(
+            self.replicas[i],
+            float(self.seconds[i]),
+            bool(self.kv_full[i]),
+            bool(self.over_bound[i]),
+            int(self.cached_tokens[i]),
+        )
 
 
-def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loads: FleetLoads,
-                   cached_tokens: np.ndarray, request: RoutingRequest, load_bound: float, affinity_margin: float,
-                   rng: np.random.Generator, fleet_sequences: Optional[float] = None,
-                   fleet_busy: float = 0.0, adapter_seconds: Optional[np.ndarray] = None,
-                   recent_routes: Optional[np.ndarray] = None) -> Ranking:
+def score_replicas(
+    step: StepTimes,
+    shape: EngineShape,
+    replicas: List[str],
+    loads: FleetLoads,
+    cached_tokens: np.ndarray,
+    request: RoutingRequest,
+    load_bound: float,
+    affinity_margin: float,
+    rng: np.random.Generator,
+    fleet_sequences: Optional[float] = None,
+    fleet_busy: float = 0.0,
+    adapter_seconds: Optional[np.ndarray] = None,
+    recent_routes: Optional[np.ndarray] = None,
+) -> Ranking:
     """Every replica's score, best first: replicas with room in their KV cache first, then those
     within the load bound, then by expected seconds; ties (an idle fleet) go to the replica this
     router sent fewest of its `recent_routes`, then at random. Where every idle replica is equal, a
@@ -300,7 +334,8 @@ def score_replicas(step: StepTimes, shape: EngineShape, replicas: List[str], loa
     over_bound = loads.batch + 1 > bounded_load(total, len(replicas), load_bound)
     if recent_routes is not None:
         free = (loads.batch + 1 <= free_batch(step, request.prompt_tokens)) & (
-            recent_routes + 1 <= bounded_load(recent_routes.sum(), len(replicas), load_bound))
+            recent_routes + 1 <= bounded_load(recent_routes.sum(), len(replicas), load_bound)
+        )
         over_bound &= ~free
     busy = min(max(fleet_busy, 0.0), 20 / 21)
     key = seconds + busy / (1 - busy) * uncached * step.prefill_token_s

@@ -3,6 +3,7 @@
 Serve tests: ONE real Ray cluster and Serve instance for the whole session (ray.init ~10 s,
 serve.run ~6 s on this machine), with the test applications deployed lazily, each once.
 """
+
 from __future__ import annotations
 
 import os
@@ -94,8 +95,11 @@ def serve_cluster(request):
     # Grouped, or each worker would start a cluster of its own: xdist's groups silently stop working
     # on pytest 9.2 (pytest-dev/pytest-xdist#1386).
     if getattr(request.config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
-        loose = [i.nodeid for i in request.session.items
-                 if "serve_cluster" in i.fixturenames and not i.nodeid.endswith("@serve")]
+        loose = [
+            i.nodeid
+            for i in request.session.items
+            if "serve_cluster" in i.fixturenames and not i.nodeid.endswith("@serve")
+        ]
         if loose:
             pytest.fail(f"pytest-xdist did not group the Serve tests ({loose[0]}, ...)", pytrace=False)
     # A cluster of its own (never a user's); the metrics agent runs without the dashboard too, and a
@@ -106,8 +110,14 @@ def serve_cluster(request):
 
 def tiny_config(**replica) -> dict:
     return {
-        "engine": {"model": TINY, "dtype": "float32", "num_threads": 1, "num_kv_blocks": 512, "block_size": 8,
-                   "max_num_seqs": 16},
+        "engine": {
+            "model": TINY,
+            "dtype": "float32",
+            "num_threads": 1,
+            "num_kv_blocks": 512,
+            "block_size": 8,
+            "max_num_seqs": 16,
+        },
         "replica": {"num_replicas": 1, **replica},
         "stream": {"interval_ms": 10},
     }

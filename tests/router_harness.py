@@ -1,6 +1,7 @@
 """LLMRouter as Serve drives it, without a Ray cluster: stand-ins for Serve's RunningReplica and
 PendingRequest, real PreparedRequests, and `Serving`, which calls the router's hooks in Serve's order
 on one event loop. Shared by tests/test_router_scoring.py and tests/test_router_ledger.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,15 +29,25 @@ def make_router(**kwargs):
 
     from router.llm_router import LLMRouter
 
-    router = LLMRouter(deployment_id=DeploymentID(name="LLMServer", app_name="test"),
-                       handle_source=DeploymentHandleSource.UNKNOWN)
+    router = LLMRouter(
+        deployment_id=DeploymentID(name="LLMServer", app_name="test"), handle_source=DeploymentHandleSource.UNKNOWN
+    )
     # share_index_s 0: these routers never exchange with a cluster's, even where a test session has
     # one running (tests/test_index_exchange.py starts theirs on an in-process exchange).
     # index_stride_tokens BS: an index of every block, so the tests count matches in blocks; the
     # default's one block in four has tests of its own (tests/test_router_ledger.py).
-    router.initialize_state(**{"model": MODEL, "block_size": BS, "max_num_batched_tokens": 2048,
-                               "max_num_seqs": 64, "cost_model": "h100-llama3-8b", "share_index_s": 0,
-                               "index_stride_tokens": BS, **kwargs})
+    router.initialize_state(
+        **{
+            "model": MODEL,
+            "block_size": BS,
+            "max_num_batched_tokens": 2048,
+            "max_num_seqs": 64,
+            "cost_model": "h100-llama3-8b",
+            "share_index_s": 0,
+            "index_stride_tokens": BS,
+            **kwargs,
+        }
+    )
     return router
 
 
@@ -49,17 +60,30 @@ def replica(name: str, now: float, age_s: float = 0.1, **stats):
     the queue-length probe Serve sends replicas it is told of."""
     from ray.serve._private.common import DeploymentID, ReplicaID
 
-    report = {"time_s": now - age_s, "waiting": 0, "running": 0, "queued_prefill_tokens": 0, "context_tokens": 0,
-              "kv_blocks_free": 10_000, "kv_blocks_total": 10_000, **stats}
+    report = {
+        "time_s": now - age_s,
+        "waiting": 0,
+        "running": 0,
+        "queued_prefill_tokens": 0,
+        "context_tokens": 0,
+        "kv_blocks_free": 10_000,
+        "kv_blocks_total": 10_000,
+        **stats,
+    }
     replica_id = ReplicaID(unique_id=name, deployment_id=DeploymentID(name="LLMServer", app_name="test"))
-    return SimpleNamespace(replica_id=replica_id, routing_stats=report, get_queue_len=_queue_len,
-                           max_ongoing_requests=1000)
+    return SimpleNamespace(
+        replica_id=replica_id, routing_stats=report, get_queue_len=_queue_len, max_ongoing_requests=1000
+    )
 
 
 def request(ids, request_id="r", max_tokens=64, cache_salt=None) -> PreparedRequest:
     """What the ingress hands the LLM deployment (and so its router)."""
-    return PreparedRequest(request_id=request_id, prompt_token_ids=list(ids),
-                           params=SamplingParams(max_tokens=max_tokens), cache_salt=cache_salt)
+    return PreparedRequest(
+        request_id=request_id,
+        prompt_token_ids=list(ids),
+        params=SamplingParams(max_tokens=max_tokens),
+        cache_salt=cache_salt,
+    )
 
 
 def pending(req, key: str):
@@ -83,6 +107,7 @@ class Serving:
         async def update():
             self.router.update_replicas(replicas)
             await asyncio.sleep(0.01)  # Serve's probes of new replicas' queues
+
         self.ids.update((r.replica_id.unique_id, r.replica_id) for r in replicas)
         self.run(update())
 

@@ -1,4 +1,5 @@
 """AsyncLLMEngine: streaming from the loop thread, abort on disconnect, errors, health."""
+
 import asyncio
 import collections
 import logging
@@ -7,8 +8,15 @@ import time
 
 import pytest
 
-from batcher import (AsyncLLMEngine, EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine,
-                     RequestTooLongError, SamplingParams)
+from batcher import (
+    AsyncLLMEngine,
+    EngineConfig,
+    EngineDeadError,
+    InvalidRequestError,
+    LLMEngine,
+    RequestTooLongError,
+    SamplingParams,
+)
 from tests.reference import mixed_prompts
 
 CONFIG = EngineConfig(model="tiny-llama", dtype="float32", max_model_len=512, num_kv_blocks=256, block_size=4)
@@ -183,6 +191,7 @@ def test_a_round_is_published_no_sooner_than_its_heartbeat():
 
     e.engine.snapshot = snapshot
     try:
+
         async def stalled_stream():
             stream = e.stream([5, 6], SamplingParams(max_tokens=40, ignore_eos=True))
             await stream.__anext__()
@@ -206,6 +215,7 @@ def test_a_model_that_fails_to_load_fails_the_constructor(tmp_path):
 
 def _watched(base: type) -> type:
     """A scheduler queue type that records which threads read it."""
+
     class Watched(base):
         readers: set
 
@@ -216,6 +226,7 @@ def _watched(base: type) -> type:
         def __len__(self):
             self.readers.add(threading.current_thread().name)
             return base.__len__(self)
+
     return Watched
 
 
@@ -255,8 +266,10 @@ def test_callers_read_a_published_snapshot_never_the_engine_queues():
 def _break_the_loop(e: AsyncLLMEngine) -> None:
     """The loop thread's next step raises outside the forward and the sampler (a failing forward
     fails only its step's requests: tests/test_step_faults.py), so the loop dies."""
+
     def schedule():
         raise RuntimeError("scheduler failed")
+
     e.engine.scheduler.schedule = schedule
 
 
@@ -267,6 +280,7 @@ async def _drain(stream):
 def test_a_dead_loop_is_logged_once_and_fails_open_streams_at_once(caplog):
     e = AsyncLLMEngine(CONFIG)
     try:
+
         async def main():
             stream = e.stream([5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
             await stream.__anext__()

@@ -1,12 +1,14 @@
 """QueueDepthPolicy (two knobs: the TTFT SLO and the start-up time) with constructed
 AutoscalingContexts, run through Serve's own wrapper (`_apply_autoscaling_config`: factors, delays) and
 bounds, as the controller runs it."""
+
 from __future__ import annotations
 
 import functools
 import importlib
 
 import pytest
+
 # Private in Ray 2.60, no public equivalent: the point type of AutoscalingContext.raw_metrics, and the
 # wrapper Serve's controller puts around every policy.
 from ray.serve._private.common import TimeStampedValue
@@ -18,8 +20,23 @@ from deployments.autoscaling import POLICY_PATH, SERVE_POLICY_PATH, YOUNG_HOLD, 
 from deployments.config import AutoscalingConfig as AppAutoscaling
 
 
-def ctx(target, ready=None, running=(), waiting=(), kv=(), handle_queued=0.0, total=None, finished=None,
-        preempted=(), state=None, now=0.0, lo=1, hi=100, config=None, capacity=None):
+def ctx(
+    target,
+    ready=None,
+    running=(),
+    waiting=(),
+    kv=(),
+    handle_queued=0.0,
+    total=None,
+    finished=None,
+    preempted=(),
+    state=None,
+    now=0.0,
+    lo=1,
+    hi=100,
+    config=None,
+    capacity=None,
+):
     """A context as the controller builds it; per-replica lists are indexed by replica."""
     ready = target if ready is None else ready
     ids = [f"r{i}" for i in range(ready)]
@@ -30,20 +47,37 @@ def ctx(target, ready=None, running=(), waiting=(), kv=(), handle_queued=0.0, to
         total = sum(running) + sum(waiting) + handle_queued
     raw = {}
     if finished is not None:  # finished[i] requests per second over a 5 s window
-        raw["finished"] = {r: [TimeStampedValue(now - 5, 0.0), TimeStampedValue(now, 5 * finished[i])]
-                           for i, r in enumerate(ids)}
-    raw["preemptions"] = {r: [TimeStampedValue(now - 5, 0.0), TimeStampedValue(now, 3.0 if i in preempted else 0.0)]
-                          for i, r in enumerate(ids)}
+        raw["finished"] = {
+            r: [TimeStampedValue(now - 5, 0.0), TimeStampedValue(now, 5 * finished[i])] for i, r in enumerate(ids)
+        }
+    raw["preemptions"] = {
+        r: [TimeStampedValue(now - 5, 0.0), TimeStampedValue(now, 3.0 if i in preempted else 0.0)]
+        for i, r in enumerate(ids)
+    }
     return AutoscalingContext(
-        deployment_id=None, deployment_name="LLMServer", app_name="app", current_num_replicas=ready,
-        target_num_replicas=target, running_replicas=ids, total_num_requests=total,
+        deployment_id=None,
+        deployment_name="LLMServer",
+        app_name="app",
+        current_num_replicas=ready,
+        target_num_replicas=target,
+        running_replicas=ids,
+        total_num_requests=total,
         total_queued_requests=handle_queued,
-        aggregated_metrics={"running": dict(zip(ids, running)), "waiting": dict(zip(ids, waiting)),
-                            "kv_usage": dict(zip(ids, kv)),
-                            **({"capacity": dict(zip(ids, capacity))} if capacity is not None else {})},
-        raw_metrics=raw, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
-        policy_state=state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=now,
-        config=config or default_config())
+        aggregated_metrics={
+            "running": dict(zip(ids, running)),
+            "waiting": dict(zip(ids, waiting)),
+            "kv_usage": dict(zip(ids, kv)),
+            **({"capacity": dict(zip(ids, capacity))} if capacity is not None else {}),
+        },
+        raw_metrics=raw,
+        capacity_adjusted_min_replicas=lo,
+        capacity_adjusted_max_replicas=hi,
+        policy_state=state or {},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=now,
+        config=config or default_config(),
+    )
 
 
 def serve_config(**kw):
@@ -79,9 +113,18 @@ def replay(p, state, load, t0, t1, target=10, lo=1):
         if landing and t >= landing[0]:
             ready, landing = landing[1], None
         rps = load(t)
-        n, state = p(ctx(target, ready=ready, running=[5.0 if rps else 0.0] * ready,
-                         handle_queued=1.0 if rps > ready * MU else 0.0,
-                         finished=[rps / max(ready, 1)] * ready, now=float(t), state=state, lo=lo))
+        n, state = p(
+            ctx(
+                target,
+                ready=ready,
+                running=[5.0 if rps else 0.0] * ready,
+                handle_queued=1.0 if rps > ready * MU else 0.0,
+                finished=[rps / max(ready, 1)] * ready,
+                now=float(t),
+                state=state,
+                lo=lo,
+            )
+        )
         if n > max(ready, target):
             landing = (t + STARTUP, n)
         elif n < ready:
@@ -175,8 +218,16 @@ def test_a_need_flickering_at_a_threshold_holds_one_count_and_then_goes():
 
     for t in range(0, 500):  # running = rate x 2 s latency (Little), spread over the ready replicas
         rps = rate(t)
-        n, state = p(ctx(target, ready=ready, running=[rps * 2.0 / ready] * ready,
-                         finished=[rps / ready] * ready, now=float(t), state=state))
+        n, state = p(
+            ctx(
+                target,
+                ready=ready,
+                running=[rps * 2.0 / ready] * ready,
+                finished=[rps / ready] * ready,
+                now=float(t),
+                state=state,
+            )
+        )
         ready = min(ready, n) if n < ready else ready  # scale-downs act at once; the tail never needs more
         out[t], target = n, n
     tail = [out[t] for t in range(130, 400)]
@@ -189,8 +240,17 @@ def _steady_fleet(p, rates, queued=lambda t: 0.0, target=100):
     from the measured state; returns {t: target}. 197 req/s need 100 replicas, 201 need 102."""
     state, out = measured(p), {}
     for t, rps in enumerate(rates):
-        n, state = p(ctx(target, running=[rps * 2.0 / target] * target, finished=[rps / target] * target,
-                         handle_queued=queued(t), now=float(t), state=state, hi=200))
+        n, state = p(
+            ctx(
+                target,
+                running=[rps * 2.0 / target] * target,
+                finished=[rps / target] * target,
+                handle_queued=queued(t),
+                now=float(t),
+                state=state,
+                hi=200,
+            )
+        )
         out[t], target = n, n
     return out
 
@@ -243,8 +303,9 @@ def test_knobs_are_the_slo_and_the_startup_only():
     with pytest.raises(ValidationError, match="greater than 0"):
         QueueDepthPolicy(slo_s=0)
     # A config of the 13-knob version names what replaced its knobs.
-    with pytest.raises(ValidationError, match="max_queue_wait_s, target_running: removed; the policy takes "
-                                              "only slo_s and startup_s"):
+    with pytest.raises(
+        ValidationError, match="max_queue_wait_s, target_running: removed; the policy takes only slo_s and startup_s"
+    ):
         QueueDepthPolicy(target_running=48, max_queue_wait_s=2.0)
 
 
@@ -272,8 +333,14 @@ def test_through_serves_wrapper_no_extra_delay_and_cold_start_from_zero():
     assert n == 1
     # Serve's own delays would hold the same burst back (30 s upscale delay).
     slow = _apply_autoscaling_config(policy())
-    n, _ = slow(ctx(2, running=[10, 10], handle_queued=75, config=AutoscalingConfig(
-        **AppAutoscaling(max_replicas=100, upscale_delay_s=30).to_serve())))
+    n, _ = slow(
+        ctx(
+            2,
+            running=[10, 10],
+            handle_queued=75,
+            config=AutoscalingConfig(**AppAutoscaling(max_replicas=100, upscale_delay_s=30).to_serve()),
+        )
+    )
     assert n == 2
 
 
@@ -289,8 +356,14 @@ def test_the_built_options_leave_the_queue_depth_policy_its_own_timing():
     decision of the queue-depth policy comes out as the policy made it (its own dwell; no Serve
     delay, factor or smoothing on top), over a burst, the steps down and scale to zero."""
     knobs = {"slo_s": 4.0, "startup_s": 10.0}
-    auto = llm_deployment_options(load_config({"engine": {"max_num_seqs": 10}, "autoscaling": {
-        "min_replicas": 0, "max_replicas": 8, "policy_kwargs": knobs}}))["autoscaling_config"]
+    auto = llm_deployment_options(
+        load_config(
+            {
+                "engine": {"max_num_seqs": 10},
+                "autoscaling": {"min_replicas": 0, "max_replicas": 8, "policy_kwargs": knobs},
+            }
+        )
+    )["autoscaling_config"]
     # The replica's slots come from the engine config (the smaller of max_num_seqs and max_ongoing_requests).
     knobs["replica_slots"] = 10
     assert auto["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": knobs}
@@ -304,10 +377,12 @@ def test_the_built_options_leave_the_queue_depth_policy_its_own_timing():
         demand = 5 if t < 5 else 60 if t < 30 else 20 if t < 200 else 0
         running = [min(10.0, demand / target)] * target if target else []
         queued = max(0.0, demand - sum(running))
-        n, bare_state = bare(ctx(target, running=running, handle_queued=queued, now=t, lo=0, hi=8,
-                                 state=bare_state, config=config))
-        w, wrapped_state = wrapped(ctx(target, running=running, handle_queued=queued, now=t, lo=0, hi=8,
-                                       state=wrapped_state, config=config))
+        n, bare_state = bare(
+            ctx(target, running=running, handle_queued=queued, now=t, lo=0, hi=8, state=bare_state, config=config)
+        )
+        w, wrapped_state = wrapped(
+            ctx(target, running=running, handle_queued=queued, now=t, lo=0, hi=8, state=wrapped_state, config=config)
+        )
         assert w == n, (t, w, n)
         decisions.append(n)
         target = n
@@ -318,8 +393,9 @@ def test_the_built_options_leave_the_queue_depth_policy_its_own_timing():
 def test_serves_policy_selected_keeps_serves_own_timing():
     """Selecting Serve's policy brings back Serve's own delays (those of Serve's defaults, not ours):
     through the wrapper a burst waits, where the queue-depth policy acts at once."""
-    auto = llm_deployment_options(load_config({"autoscaling": {"policy": SERVE_POLICY_PATH,
-                                                               "max_replicas": 100}}))["autoscaling_config"]
+    auto = llm_deployment_options(load_config({"autoscaling": {"policy": SERVE_POLICY_PATH, "max_replicas": 100}}))[
+        "autoscaling_config"
+    ]
     config, serves = AutoscalingConfig(**auto), AutoscalingConfig()
     for field in ("look_back_period_s", "upscale_delay_s", "downscale_delay_s"):
         assert getattr(config, field) == getattr(serves, field), field

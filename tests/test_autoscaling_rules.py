@@ -3,6 +3,7 @@ burst needed, replicas bought for a backlog only where queues outlast a start-up
 keeps going down, when a drop counts, how mu is averaged and what sizes a fleet before it, and
 what a ramp is. Contexts and replicas as in tests/test_autoscaling_policy.py
 (10 slots, 2 req/s full, a 4 s SLO, 30 s start-up: 5 s buckets)."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,8 +51,18 @@ def test_the_first_reading_of_mu_starts_from_the_capacity_replicas_report():
     def mu_after(capacity):
         p, state = policy(), None
         for t in range(0, 11):
-            _, state = p(ctx(2, running=[10, 10], handle_queued=5, finished=[3.0, 3.0], now=float(t),
-                             state=state, hi=2, capacity=capacity))
+            _, state = p(
+                ctx(
+                    2,
+                    running=[10, 10],
+                    handle_queued=5,
+                    finished=[3.0, 3.0],
+                    now=float(t),
+                    state=state,
+                    hi=2,
+                    capacity=capacity,
+                )
+            )
         return state["iterserve"]["mu"]
 
     assert 2.0 < mu_after([MU, MU]) < 2.4
@@ -89,8 +100,16 @@ def _spells(length_s: int, count: int = 4) -> list:
     for _ in range(count):
         decisions = []
         for queued in [600.0] * length_s + [0.0] * 20:
-            n, state = p(ctx(2, running=[10, 10] if queued else [5, 5], handle_queued=queued,
-                             finished=[MU, MU], now=float(t), state=state))
+            n, state = p(
+                ctx(
+                    2,
+                    running=[10, 10] if queued else [5, 5],
+                    handle_queued=queued,
+                    finished=[MU, MU],
+                    now=float(t),
+                    state=state,
+                )
+            )
             decisions.append(n)
             t += 1
         out.append(decisions[:length_s])
@@ -117,8 +136,16 @@ def test_a_queue_that_outlasts_every_spell_before_it_is_drained():
     for length in (10, 10, 10, 40):
         decisions = []
         for queued in [600.0] * length + [0.0] * 20:
-            n, state = p(ctx(2, running=[10, 10] if queued else [5, 5], handle_queued=queued,
-                             finished=[MU, MU], now=float(t), state=state))
+            n, state = p(
+                ctx(
+                    2,
+                    running=[10, 10] if queued else [5, 5],
+                    handle_queued=queued,
+                    finished=[MU, MU],
+                    now=float(t),
+                    state=state,
+                )
+            )
             decisions.append(n)
             t += 1
         spells.append(decisions[:length])
@@ -156,8 +183,16 @@ def test_the_memory_keeps_a_bursts_measured_rate_not_its_smoothed_one():
     p, target = policy(), 10
     state = measured(p)
     for t, rps in enumerate([10.0] * 20 + [40.0] * 5 + [10.0] * 10):
-        _, state = p(ctx(target, running=[rps * 2.0 / target] * target, finished=[rps / target] * target,
-                         now=float(t), state=state, hi=10))
+        _, state = p(
+            ctx(
+                target,
+                running=[rps * 2.0 / target] * target,
+                finished=[rps / target] * target,
+                now=float(t),
+                state=state,
+                hi=10,
+            )
+        )
     burst = {b[0]: b[1] for b in state["iterserve"]["memory"]}[20.0]
     assert burst >= 40.0, state["iterserve"]["memory"]
 
@@ -190,8 +225,9 @@ def test_a_drain_read_over_the_floor_does_not_override_the_capacity_replicas_rep
     total = 12.0
     for t in range(23, 33):
         total += 10.0
-        n, state = p(ctx(4, running=[9.0] * 4, finished=[1.9] * 4, total=total, now=float(t), state=state,
-                         capacity=[MU] * 4))
+        n, state = p(
+            ctx(4, running=[9.0] * 4, finished=[1.9] * 4, total=total, now=float(t), state=state, capacity=[MU] * 4)
+        )
     arrivals = state["iterserve"]["arrivals"][1]
     assert n == p._need(arrivals, 0.0, MU, SLOTS) > p._need(arrivals, 0.0, floor, SLOTS), (n, arrivals)
 

@@ -1,6 +1,7 @@
 """The fleet simulator (no Ray cluster): the policies as Serve's controller runs them, on a short
 trace: steady load, then a 3x burst that holds, then back; the CLI on a rate trace and on a request
 trace. About 30 s."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,7 @@ def trace():
 @pytest.fixture(scope="module")
 def runs(trace):
     work = SimWorkload()
-    results = simulate.run_all(trace, work, STARTUP_S, slo_s=1.0, max_replicas=200, target_running=96,
-                               dt_s=0.5, seed=1)
+    results = simulate.run_all(trace, work, STARTUP_S, slo_s=1.0, max_replicas=200, target_running=96, dt_s=0.5, seed=1)
     return {n: (r, simulate.summary(r, trace, 1.0)) for n, r in results.items()}
 
 
@@ -134,13 +134,34 @@ def test_cli_replays_a_request_trace_with_its_tokens_scaled_and_windowed(tmp_pat
     rng = np.random.default_rng(0)
     t = np.concatenate([b + rng.uniform(0, 20, 300) for b in range(0, 600, 120)])
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    rows += [f"2023-11-16 18:{int(x // 60):02d}:{x % 60:09.6f},{700 + i % 200},{100 + i % 50}"
-             for i, x in enumerate(np.sort(t))]
+    rows += [
+        f"2023-11-16 18:{int(x // 60):02d}:{x % 60:09.6f},{700 + i % 200},{100 + i % 50}"
+        for i, x in enumerate(np.sort(t))
+    ]
     path = tmp_path / "bursts.csv"
     path.write_text("\n".join(rows) + "\n")
     out = tmp_path / "out"
-    assert simulate.main(["--trace", str(path), "--rate-scale", "4", "--window-s", "0", "480", "--startup-s", "30",
-                          "--out", str(out), "--dt-s", "0.5", "--no-plot"]) == 0
+    assert (
+        simulate.main(
+            [
+                "--trace",
+                str(path),
+                "--rate-scale",
+                "4",
+                "--window-s",
+                "0",
+                "480",
+                "--startup-s",
+                "30",
+                "--out",
+                str(out),
+                "--dt-s",
+                "0.5",
+                "--no-plot",
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "simulate.json").read_text())
     # The trace's mean tokens were used (no --prompt-tokens / --output-tokens), the window cut it.
     assert report["tokens_from_trace"] and report["prompt_tokens"] == 800 and report["output_tokens"] == 124

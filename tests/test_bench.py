@@ -1,4 +1,5 @@
 """The load generator: arrival processes (no server), then short runs against the tiny test app."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,11 +22,14 @@ from load_tests.bench_workloads import shared_prefix_chats, variance_requests
 
 # ---- arrivals: statistical checks with a fixed seed ---------------------------------------------
 
+
 def _ks_exponential(xs, rate) -> float:
     """Kolmogorov-Smirnov distance between the sample and Exp(rate)."""
     xs, n = sorted(xs), len(xs)
-    return max(max(abs((i + 1) / n - (1 - math.exp(-rate * x))), abs(i / n - (1 - math.exp(-rate * x))))
-               for i, x in enumerate(xs))
+    return max(
+        max(abs((i + 1) / n - (1 - math.exp(-rate * x))), abs(i / n - (1 - math.exp(-rate * x))))
+        for i, x in enumerate(xs)
+    )
 
 
 def test_poisson_arrivals_have_exponential_gaps_at_the_rate():
@@ -71,15 +75,18 @@ def test_serving_bench_config_moves_the_port_and_sets_the_engine_threads():
     args = config["applications"][0]["args"]
     assert args["engine"]["num_threads"] == threads and args["replica"]["num_cpus"] == cpus
     # Only the named fields change; the rest is the user's config, still valid.
-    assert {k: v for k, v in args["engine"].items() if k != "num_threads"} == \
-        {k: v for k, v in before["engine"].items() if k != "num_threads"}
-    assert {k: v for k, v in args["replica"].items() if k != "num_cpus"} == \
-        {k: v for k, v in before["replica"].items() if k != "num_cpus"}
+    assert {k: v for k, v in args["engine"].items() if k != "num_threads"} == {
+        k: v for k, v in before["engine"].items() if k != "num_threads"
+    }
+    assert {k: v for k, v in args["replica"].items() if k != "num_cpus"} == {
+        k: v for k, v in before["replica"].items() if k != "num_cpus"
+    }
     assert args["router"] == before["router"] and args["autoscaling"] == before["autoscaling"]
     AppConfig(**args)
 
 
 # ---- against the tiny app (two replicas, real Ray Serve) -----------------------------------------
+
 
 def _close(a, b):
     return a == pytest.approx(b, rel=1e-9, abs=1e-9)
@@ -87,10 +94,34 @@ def _close(a, b):
 
 def test_generator_short_run_every_request_succeeds_and_metrics_agree(tiny_app, tmp_path):
     out = tmp_path / "bench.json"
-    result = bench.main(["--base-url", tiny_app, "--api", "completions", "--workload", "variance",
-                         "--num-requests", "12", "--input-len", "16", "--mean-output", "6", "--cap", "12",
-                         "--request-rate", "40", "--goodput", "ttft:60000", "tpot:60000", "--json", str(out),
-                         "--no-progress", "--record-header", "Content-Type"])
+    result = bench.main(
+        [
+            "--base-url",
+            tiny_app,
+            "--api",
+            "completions",
+            "--workload",
+            "variance",
+            "--num-requests",
+            "12",
+            "--input-len",
+            "16",
+            "--mean-output",
+            "6",
+            "--cap",
+            "12",
+            "--request-rate",
+            "40",
+            "--goodput",
+            "ttft:60000",
+            "tpot:60000",
+            "--json",
+            str(out),
+            "--no-progress",
+            "--record-header",
+            "Content-Type",
+        ]
+    )
     saved = json.loads(out.read_text())
     assert saved["runs"][0]["summary"] == json.loads(json.dumps(result["runs"][0]["summary"]))
     [run] = saved["runs"]
@@ -104,10 +135,12 @@ def test_generator_short_run_every_request_succeeds_and_metrics_agree(tiny_app, 
         assert 0 < r["ttft_s"] <= r["e2e_s"] and r["finish_reason"] == "length"
         assert all(x >= 0 for x in r["itl_s"]) and r["ttft_s"] + sum(r["itl_s"]) <= r["e2e_s"] + 1e-6
     # Every metric is there, and the percentiles are those of the per-request records.
-    for name, values in {"ttft_ms": [r["ttft_s"] for r in records], "e2e_ms": [r["e2e_s"] for r in records],
-                         "itl_ms": [x for r in records for x in r["itl_s"]],
-                         "tpot_ms": [(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1)
-                                     for r in records if r["output_tokens"] > 1]}.items():
+    for name, values in {
+        "ttft_ms": [r["ttft_s"] for r in records],
+        "e2e_ms": [r["e2e_s"] for r in records],
+        "itl_ms": [x for r in records for x in r["itl_s"]],
+        "tpot_ms": [(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in records if r["output_tokens"] > 1],
+    }.items():
         assert s[name]["count"] == len(values) > 0
         for p in ("p50", "p90", "p99"):
             assert _close(s[name][p], np.percentile(np.array(values) * 1000, float(p[1:])))
@@ -151,8 +184,9 @@ def test_no_server_is_status_0_not_a_crash():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
-    res = asyncio.run(run_load(Target(f"http://127.0.0.1:{port}/v1", model="m"), [BenchRequest(prompt="x")] * 2,
-                               timeout_s=10))
+    res = asyncio.run(
+        run_load(Target(f"http://127.0.0.1:{port}/v1", model="m"), [BenchRequest(prompt="x")] * 2, timeout_s=10)
+    )
     assert [r.status for r in res.records] == [0, 0] and all("Connect" in r.error for r in res.records)
 
 
@@ -196,10 +230,14 @@ def test_chat_users_think_between_turns(tiny_app):
 
 # ---- trace replay -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra,message", [
-    (["--api", "chat"], "replays token-id prompts .* through the completions API"),
-    (["--request-rate", "4"], "a trace's own times are the arrivals"),
-])
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--api", "chat"], "replays token-id prompts .* through the completions API"),
+        (["--request-rate", "4"], "a trace's own times are the arrivals"),
+    ],
+)
 def test_trace_replay_refuses_options_that_do_not_apply(extra, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--base-url", "http://127.0.0.1:9", "--workload", "trace", "--trace", "azure_code_2023", *extra])
@@ -207,29 +245,54 @@ def test_trace_replay_refuses_options_that_do_not_apply(extra, message, capsys):
 
 
 def test_trace_replay_names_the_bundled_traces_for_an_unknown_one():
-    with pytest.raises(SystemExit, match="no bundled trace 'azure'; have azure_code_2023, azure_conv_2023, "
-                                         "mooncake_conversation"):
+    with pytest.raises(
+        SystemExit, match="no bundled trace 'azure'; have azure_code_2023, azure_conv_2023, mooncake_conversation"
+    ):
         bench.main(["--base-url", "http://127.0.0.1:9", "--workload", "trace", "--trace", "azure"])
 
 
 def test_trace_replay_transforms_in_order_window_speedup_rate_duration_number():
-    args = bench.parse_args(["--base-url", "http://127.0.0.1:9", "--workload", "trace", "--trace", "azure_code_2023",
-                             "--window-s", "600", "1200", "--speedup", "2", "--rate-scale", "1.5",
-                             "--duration-s", "200", "--num-requests", "400"])
+    args = bench.parse_args(
+        [
+            "--base-url",
+            "http://127.0.0.1:9",
+            "--workload",
+            "trace",
+            "--trace",
+            "azure_code_2023",
+            "--window-s",
+            "600",
+            "1200",
+            "--speedup",
+            "2",
+            "--rate-scale",
+            "1.5",
+            "--duration-s",
+            "200",
+            "--num-requests",
+            "400",
+        ]
+    )
     trace = bench.load_trace(args)
     assert args.api == "completions"
     assert trace.notes == ["window 600-1200 s", "time x1/2", "rate x1.5", "window 0-200 s", "first 400 requests"]
     source = load_request_trace(bundled("azure_code_2023"))
     in_window = ((source.t_s >= 600) & (source.t_s < 1000)).sum()  # 200 s at speedup 2
     assert len(trace) == min(400, len(trace)) and trace.t_s[-1] < 200
-    whole = bench.load_trace(bench.parse_args(["--base-url", "x", "--workload", "trace", "--trace", "azure_code_2023",
-                                               "--window-s", "600", "1000"]))
+    whole = bench.load_trace(
+        bench.parse_args(
+            ["--base-url", "x", "--workload", "trace", "--trace", "azure_code_2023", "--window-s", "600", "1000"]
+        )
+    )
     assert len(whole) == in_window and whole.notes == ["window 600-1000 s"]  # no bound: all of it
 
 
 def test_trace_replay_spreads_a_recorded_ticks_requests_unless_at_ticks():
     base = ["--base-url", "x", "--workload", "trace", "--trace", "mooncake_conversation", "--window-s", "0", "60"]
-    spread, together = bench.load_trace(bench.parse_args(base)), bench.load_trace(bench.parse_args(base + ["--at-ticks"]))
+    spread, together = (
+        bench.load_trace(bench.parse_args(base)),
+        bench.load_trace(bench.parse_args(base + ["--at-ticks"])),
+    )
     assert spread.notes[0] == "each 3 s tick's requests spread over it" and together.notes == ["window 0-60 s"]
     assert len(np.unique(together.t_s)) == 20 and len(np.unique(spread.t_s)) == len(spread)  # 20 ticks of 3 s
 
@@ -261,9 +324,28 @@ def test_trace_requests_carry_each_request_lengths_capped():
 
 def test_trace_replay_sends_each_request_at_its_time_with_its_lengths(tiny_app, tmp_path):
     out = tmp_path / "trace.json"
-    result = bench.main(["--base-url", tiny_app, "--workload", "trace", "--trace", "azure_code_2023",
-                         "--window-s", "0", "60", "--num-requests", "6", "--token-scale", "0.01", "--output-cap", "5",
-                         "--json", str(out), "--no-progress"])
+    result = bench.main(
+        [
+            "--base-url",
+            tiny_app,
+            "--workload",
+            "trace",
+            "--trace",
+            "azure_code_2023",
+            "--window-s",
+            "0",
+            "60",
+            "--num-requests",
+            "6",
+            "--token-scale",
+            "0.01",
+            "--output-cap",
+            "5",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert json.loads(out.read_text())["runs"][0]["trace"] == json.loads(json.dumps(result["runs"][0]["trace"]))
     [run] = result["runs"]
     trace = load_request_trace(bundled("azure_code_2023")).head(6)
@@ -282,9 +364,29 @@ def test_trace_replay_prompts_share_the_prefix_blocks_they_name(tiny_app):
     # Mooncake's requests all begin with block 0: at token scale 0.05 that is 26 tokens, three of the
     # tiny app's 8-token KV blocks. Sent one at a time over its two replicas, the third request finds
     # a replica that has the block cached already, and nothing past it (every later block differs).
-    result = bench.main(["--base-url", tiny_app, "--workload", "trace", "--trace", "mooncake_conversation",
-                         "--num-requests", "4", "--speedup", "1000", "--token-scale", "0.05", "--output-cap", "2",
-                         "--max-concurrency", "1", "--json", "", "--no-progress"])
+    result = bench.main(
+        [
+            "--base-url",
+            tiny_app,
+            "--workload",
+            "trace",
+            "--trace",
+            "mooncake_conversation",
+            "--num-requests",
+            "4",
+            "--speedup",
+            "1000",
+            "--token-scale",
+            "0.05",
+            "--output-cap",
+            "2",
+            "--max-concurrency",
+            "1",
+            "--json",
+            "",
+            "--no-progress",
+        ]
+    )
     records = sorted(result["runs"][0]["records"], key=lambda r: r["index"])
     assert all(r["status"] == 200 and r["error"] == "" for r in records) and len(records) == 4
     assert records[0]["cached_tokens"] == 0 and all(r["cached_tokens"] in (0, 24) for r in records)

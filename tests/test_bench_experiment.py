@@ -1,4 +1,5 @@
 """The occupancy trace (real engine runs), the experiment's targets and its report with the plots."""
+
 from __future__ import annotations
 
 import html
@@ -21,8 +22,17 @@ LENGTHS = capped_lengths(exponential_draws(12, 6.0, seed=1), 20)
 
 
 def _traced_run(scheduling: str, slots: int = 4, trace_steps: int = 1000):
-    engine = LLMEngine(EngineConfig(model="tiny-llama", num_threads=1, max_num_seqs=slots, static_batch_size=slots,
-                                    scheduling=scheduling, trace_steps=trace_steps, num_kv_blocks=256))
+    engine = LLMEngine(
+        EngineConfig(
+            model="tiny-llama",
+            num_threads=1,
+            max_num_seqs=slots,
+            static_batch_size=slots,
+            scheduling=scheduling,
+            trace_steps=trace_steps,
+            num_kv_blocks=256,
+        )
+    )
     for i, (prompt, n) in enumerate(zip(random_prompts(12, 10, (17, 4000), seed=1), LENGTHS)):
         engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=f"r{i}")
     while engine.has_unfinished():
@@ -31,8 +41,9 @@ def _traced_run(scheduling: str, slots: int = 4, trace_steps: int = 1000):
 
 
 def _cells_of(trace, rid):
-    return [(t, step.cells[slot]) for t, step in enumerate(trace.steps)
-            for slot, r in step.request_ids.items() if r == rid]
+    return [
+        (t, step.cells[slot]) for t, step in enumerate(trace.steps) for slot, r in step.request_ids.items() if r == rid
+    ]
 
 
 @pytest.mark.parametrize("scheduling", ["static", "continuous"])
@@ -68,11 +79,19 @@ def test_trace_is_bounded():
 def test_saturation_and_targets_are_computed_from_the_rows():
     def row(rate, ttft_growth, tok_s, e2e, good):
         # 9 requests whose TTFT grows from 0.2 s by `ttft_growth` s from first to last (a growing queue)
-        records = [{"status": 200, "error": "", "start_s": i / rate, "ttft_s": 0.2 + ttft_growth * i / 8}
-                   for i in range(9)]
-        return {"rate": rate, "records": records,
-                "summary": {"output_throughput": tok_s, "e2e_ms": {"p50": e2e},
-                            "goodput": {"request_goodput": good, "slos_ms": {"ttft": 1}}}}
+        records = [
+            {"status": 200, "error": "", "start_s": i / rate, "ttft_s": 0.2 + ttft_growth * i / 8} for i in range(9)
+        ]
+        return {
+            "rate": rate,
+            "records": records,
+            "summary": {
+                "output_throughput": tok_s,
+                "e2e_ms": {"p50": e2e},
+                "goodput": {"request_goodput": good, "slos_ms": {"ttft": 1}},
+            },
+        }
+
     static = [row(1, 0.1, 30, 900, 0.9), row(2, 3.0, 40, 3000, 0.5), row(4, 6.0, 40, 6000, 0.2)]
     cont = [row(1, 0.0, 31, 800, 0.95), row(2, 0.2, 60, 1000, 1.8), row(4, 1.5, 90, 2000, 2.5)]
     peer = [row(1, 0.1, 30, 850, 0.9), row(2, 2.0, 50, 2500, 1.0), row(4, 4.0, 52, 5000, 0.3)]
@@ -93,8 +112,10 @@ def test_experiment_report_from_real_sweeps_writes_plots_page_and_json(serve_clu
     args = experiment.parse_args(["--quick", "--model", "tiny-llama", "--rates", "4,16", "--timeout-s", "60"])
     requests = experiment.variance_requests(args.num_requests, 12, args.mean_output, args.cap, "chat", 0)
     try:
-        by_system = {name: experiment.run_sweep(name, experiment.Target(url), requests, args, {"ttft": 5000})
-                     for name, url in urls.items()}
+        by_system = {
+            name: experiment.run_sweep(name, experiment.Target(url), requests, args, {"ttft": 5000})
+            for name, url in urls.items()
+        }
     finally:  # idle, an app still costs ~0.08 of a core (Serve's and Ray's loops): not for the rest of the suite
         serve_cluster.delete("bench-static")
     occupancy = occupancy_pair("tiny-llama", num_requests=12, slots=4, threads=1)
@@ -113,4 +134,3 @@ def test_experiment_report_from_real_sweeps_writes_plots_page_and_json(serve_clu
     assert {t["target"].split()[1] for t in result["targets"]} == {">=", "p50"}
     assert [o["stats"]["scheduling"] for o in saved["occupancy"]] == ["static", "continuous"]
     assert saved["occupancy"][0]["trace"]["steps"]
-

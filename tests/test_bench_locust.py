@@ -3,6 +3,7 @@
 Locust runs in its own process: it monkey-patches sockets with gevent on import, which must not
 happen inside the test session that drives Ray.
 """
+
 from __future__ import annotations
 
 import csv
@@ -16,10 +17,37 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_locust_reports_ttft_itl_tpot_as_custom_events(tiny_app, tmp_path):
     prefix = tmp_path / "locust"
-    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "load_tests" / "locustfile.py"), "--headless",
-           "-u", "2", "-r", "2", "-t", "4s", "--host", tiny_app, "--csv", str(prefix), "--only-summary",
-           "--api", "completions", "--workload", "variance", "--mean-output", "4", "--cap", "8",
-           "--num-requests", "16", "--stop-timeout", "10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(ROOT / "load_tests" / "locustfile.py"),
+        "--headless",
+        "-u",
+        "2",
+        "-r",
+        "2",
+        "-t",
+        "4s",
+        "--host",
+        tiny_app,
+        "--csv",
+        str(prefix),
+        "--only-summary",
+        "--api",
+        "completions",
+        "--workload",
+        "variance",
+        "--mean-output",
+        "4",
+        "--cap",
+        "8",
+        "--num-requests",
+        "16",
+        "--stop-timeout",
+        "10",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -33,5 +61,6 @@ def test_locust_reports_ttft_itl_tpot_as_custom_events(tiny_app, tmp_path):
     # token); TTFT within the request's own time.
     assert 0 <= int(rows[("TTFT", "/v1/completions")]["Request Count"]) - int(post["Request Count"]) <= 2
     assert int(rows[("E2E", "/v1/completions")]["Request Count"]) == int(post["Request Count"])
-    assert float(rows[("TTFT", "/v1/completions")]["Median Response Time"]) <= \
-        float(rows[("E2E", "/v1/completions")]["Median Response Time"])
+    assert float(rows[("TTFT", "/v1/completions")]["Median Response Time"]) <= float(
+        rows[("E2E", "/v1/completions")]["Median Response Time"]
+    )

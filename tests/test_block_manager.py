@@ -1,4 +1,5 @@
 """BlockManager without a model: allocation, sharing, eviction, freeing, the block hash."""
+
 import hashlib
 import random
 from array import array
@@ -124,7 +125,7 @@ def test_prompt_and_answer_hashes_continue_the_prompt_chain_as_the_engine_does()
             compute(bm, s, 1)
     known = cacheable_block_hashes(prompt, bs, ROOT)
     chained = cacheable_block_hashes(prompt + answer, bs, ROOT, known=known)
-    assert chained[:len(known)] == known
+    assert chained[: len(known)] == known
     assert chained == cacheable_block_hashes(prompt + answer, bs, ROOT) == s.block_hashes
     # Turn two (prompt + answer + new turn) matches every one of those blocks in the engine's cache.
     bm.free(s)

@@ -8,6 +8,7 @@ the fleet is full, so it outlasts a start-up and the policy re-buys it like the 
 start-up after its last bucket; a burst shorter than a start-up would be kept YOUNG_HOLD of them).
 Measured 21.2 s alone (41-81 s before the policy told the two apart). About 150 s in all.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,16 +45,18 @@ def _free_base_port() -> int:
 
 def _run(*args, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
 def local_cluster():
     # Short path: Ray's unix sockets live under it (108-byte limit).
     state = Path(tempfile.mkdtemp(prefix="isc-", dir="/tmp"))
-    up = _run("cluster.local", "up", "--workers", "2", "--dir", str(state),
-              "--base-port", str(_free_base_port()), timeout=300)
+    up = _run(
+        "cluster.local", "up", "--workers", "2", "--dir", str(state), "--base-port", str(_free_base_port()), timeout=300
+    )
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         yield json.loads(up.stdout.strip().splitlines()[-1])
@@ -76,9 +79,20 @@ def test_status_shows_head_and_two_workers(local_cluster):
 
 @pytest.mark.slow
 def test_burst_scales_up_and_back_without_losing_a_request(local_cluster):
-    out = _run("cluster.burst", "--address", local_cluster["address"], "--max-replicas", "4",
-               "--clients", "16", "--up-timeout-s", str(START_WAIT_S),
-               "--down-timeout-s", "240", timeout=600)  # the bound below depends on the run's start-up
+    out = _run(
+        "cluster.burst",
+        "--address",
+        local_cluster["address"],
+        "--max-replicas",
+        "4",
+        "--clients",
+        "16",
+        "--up-timeout-s",
+        str(START_WAIT_S),
+        "--down-timeout-s",
+        "240",
+        timeout=600,
+    )  # the bound below depends on the run's start-up
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print({k: v for k, v in result.items() if k != "timeline"})

@@ -2,6 +2,7 @@
 KubeRay RayService's embedded serve config against Serve's schema, serve_config.gpu.yaml and the
 app builder. Neither has run on a cloud or Kubernetes (no GPUs, no network here); the KubeRay CRD
 schema is not at hand."""
+
 from __future__ import annotations
 
 import importlib

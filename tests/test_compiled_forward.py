@@ -1,6 +1,7 @@
 """The compiled forward (compile='auto'): HF-exact greedy tokens in float32, one graph per thread
 count whatever the step's size, eager fallback with one log line, and the compiled step saved whole
 and loaded by a new process without tracing."""
+
 import json
 import logging
 import os
@@ -25,8 +26,9 @@ def _graphs() -> int:
 
 
 def _greedy(n):
-    return [SamplingParams(max_tokens=MAX_TOKENS[i % len(MAX_TOKENS)], temperature=0, ignore_eos=True)
-            for i in range(n)]
+    return [
+        SamplingParams(max_tokens=MAX_TOKENS[i % len(MAX_TOKENS)], temperature=0, ignore_eos=True) for i in range(n)
+    ]
 
 
 def test_compiled_engine_matches_hf_with_one_graph_per_thread_count():
@@ -36,8 +38,17 @@ def test_compiled_engine_matches_hf_with_one_graph_per_thread_count():
     expected = [hf_greedy(TINY, p, MAX_TOKENS[i % len(MAX_TOKENS)]) for i, p in enumerate(prompts)]
     before = torch.get_num_threads()
     try:
-        engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", compile="auto", max_num_batched_tokens=40,
-                                        num_threads=2, small_step_threads=1, small_step_tokens=4))
+        engine = LLMEngine(
+            EngineConfig(
+                model=TINY,
+                dtype="float32",
+                compile="auto",
+                max_num_batched_tokens=40,
+                num_threads=2,
+                small_step_threads=1,
+                small_step_tokens=4,
+            )
+        )
         assert engine.runner.forward.mode == "inductor"
         compiled = _graphs()
         outs = engine.generate(prompts, _greedy(len(prompts)))
@@ -59,8 +70,7 @@ def test_auto_falls_back_to_eager_with_one_log_line(monkeypatch, caplog):
     import batcher.llm_engine as llm_engine
 
     real_load = llm_engine.load_model
-    monkeypatch.setattr(llm_engine, "load_model",
-                        lambda *a, **k: (_uncompilable(), real_load(*a, **k)[1]))
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: (_uncompilable(), real_load(*a, **k)[1]))
     caplog.set_level(logging.INFO, logger="batcher.compiled_forward")
     engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", compile="auto"))
     lines = [r for r in caplog.records if r.name == "batcher.compiled_forward"]
@@ -74,8 +84,14 @@ def test_auto_falls_back_to_eager_with_one_log_line(monkeypatch, caplog):
 
 def test_required_compile_that_fails_raises():
     with pytest.raises(CompileError, match="cannot|failed"):
-        ModelRunner(_uncompilable(), num_blocks=16, block_size=4, dtype=torch.float32,
-                    device=torch.device("cpu"), compile="inductor")
+        ModelRunner(
+            _uncompilable(),
+            num_blocks=16,
+            block_size=4,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            compile="inductor",
+        )
 
 
 _CHILD = """
@@ -99,8 +115,14 @@ def _child_engine(home, max_num_seqs: int = 8) -> dict:
     if not (home / "models").exists():
         (home / "models").mkdir()
         (home / "models" / "smollm2-135m-instruct").symlink_to(cache_home() / "models" / "smollm2-135m-instruct")
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(max_num_seqs)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=os.getcwd())
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(max_num_seqs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.getcwd(),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -120,6 +142,7 @@ def test_another_config_gets_its_own_saved_step():
     """The saved step's file is named by its key: a config whose graph differs (the metadata's shapes
     change with max_num_seqs, the KV cache's with num_kv_blocks) never loads another's file. Checked
     on the key (a third compiling process took ~27 s of the suite)."""
+
     def key(**config):
         engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", compile="off", num_threads=1, **config))
         return engine.runner._precompile_key(torch.float32, {1}, False)

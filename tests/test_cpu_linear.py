@@ -1,4 +1,5 @@
 """The CPU GEMM layout the model runner switches linears to: same results as F.linear, same parameters."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,15 @@ def test_matches_f_linear_at_every_row_count(shape, bias):
 
 def test_switches_every_linear_and_keeps_tied_weights():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(cfg).eval()
     ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
     with torch.inference_mode():
@@ -39,6 +47,7 @@ def test_switches_every_linear_and_keeps_tied_weights():
 
 
 # ---- the C++ kernel for bf16 and int8 weights (batcher/native/linear.cpp) ------------------------
+
 
 def _kernel():
     from batcher.cpu_linear import linear_kernel_available
@@ -57,7 +66,7 @@ def _rounded(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
 def _assert_within_bf16_rounding(got: torch.Tensor, expected: torch.Tensor):
     # fp32 accumulation in another order than float64's: at most one bf16 step (2^-7 relative) apart
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
-    step = expected.float().abs().clamp(min=1e-2) * 2 ** -7
+    step = expected.float().abs().clamp(min=1e-2) * 2**-7
     assert ((got.float() - expected.float()).abs() <= step * 1.01).all()
 
 
@@ -132,8 +141,15 @@ def test_a_bf16_model_switched_to_the_kernel_keeps_its_logits_and_tied_weights()
 
     _kernel()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16)
     ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
     with torch.inference_mode():
@@ -152,8 +168,15 @@ def test_int8_layers_switch_to_the_kernel_and_a_tied_head_reads_the_bf16_embeddi
 
     ops = _kernel()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(cfg).eval()
     quantize_linears(model, torch.bfloat16)
     model.to(torch.bfloat16)

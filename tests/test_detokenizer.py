@@ -1,4 +1,5 @@
 """IncrementalDetokenizer: text equals a one-shot decode, stop strings cut at the earliest match."""
+
 from batcher.detokenizer import IncrementalDetokenizer
 from batcher.model_files import load_tokenizer
 

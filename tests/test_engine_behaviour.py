@@ -1,4 +1,5 @@
 """Sampling, stopping, abort and bad input on the offline engine."""
+
 import pytest
 from pydantic import ValidationError
 
@@ -8,7 +9,9 @@ from tests.reference import mixed_prompts
 
 @pytest.fixture(scope="module")
 def tiny():
-    return LLMEngine(EngineConfig(model="tiny-llama", dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4))
+    return LLMEngine(
+        EngineConfig(model="tiny-llama", dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -17,16 +20,18 @@ def smol():
 
 
 def chat(engine, text):
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=False)
+    return engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny):
     prompts = mixed_prompts("tiny-llama", n_random=5)
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     alone = tiny.generate([prompts[0]], params)[0].token_ids
-    others = [SamplingParams(max_tokens=n, temperature=1.0, seed=s, ignore_eos=True)
-              for n, s in ((5, 1), (25, 2), (12, 3))] + [SamplingParams(max_tokens=9, temperature=1.0)] * 3
+    others = [
+        SamplingParams(max_tokens=n, temperature=1.0, seed=s, ignore_eos=True) for n, s in ((5, 1), (25, 2), (12, 3))
+    ] + [SamplingParams(max_tokens=9, temperature=1.0)] * 3
     together = tiny.generate(prompts[:1] + prompts[1:7], [params] + others[:6])
     assert together[0].token_ids == alone
     assert tiny.generate([prompts[0]], params)[0].token_ids == alone  # and again, after other traffic

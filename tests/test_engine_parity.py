@@ -1,4 +1,5 @@
 """Greedy engine output equals HF generate token for token, whatever the scheduling pressure."""
+
 import pytest
 import torch
 
@@ -11,8 +12,10 @@ MAX_TOKENS = [24, 7, 16, 3, 30, 12, 20]  # mixed lengths: sequences leave the ba
 
 def run(name, prompts, **engine_kwargs):
     engine = LLMEngine(EngineConfig(model=name, dtype="float32", **engine_kwargs))
-    params = [SamplingParams(max_tokens=MAX_TOKENS[i % len(MAX_TOKENS)], temperature=0, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS[i % len(MAX_TOKENS)], temperature=0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     return engine, engine.generate(prompts, params)
 
 

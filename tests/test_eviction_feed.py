@@ -1,5 +1,6 @@
 """The replicas' evictions reaching the router: the engine's eviction log (batcher.eviction_log), the
 router's feed (router.eviction_feed) and its prefix index, against the engine's own cache."""
+
 from __future__ import annotations
 
 import time

@@ -1,5 +1,6 @@
 """The forward benchmark's pieces without llama.cpp: its figures from recorded events, its targets and
 table, and its two scenarios against the tiny test app (real Ray Serve)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,16 @@ from load_tests.bench_client import BenchRecord, LoadResult, Target
 
 
 def _record(i: int, start: float, ttft: float, e2e: float, tokens: int, status: int = 200) -> BenchRecord:
-    return BenchRecord(index=i, start_s=start, status=status, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens,
-                       prompt_tokens=40, error="" if status == 200 else "overloaded")
+    return BenchRecord(
+        index=i,
+        start_s=start,
+        status=status,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        output_tokens=tokens,
+        prompt_tokens=40,
+        error="" if status == 200 else "overloaded",
+    )
 
 
 def test_single_user_figures_are_first_token_percentiles_and_per_stream_decode_speed():
@@ -39,8 +48,10 @@ def test_burst_figures_are_output_tokens_over_the_burst():
 
 
 def _figures(ttft: float, decode: float, burst: float) -> dict:
-    return {"single": {"ttft_p50_ms": ttft, "ttft_p90_ms": ttft * 2, "decode_tok_s_p50": decode},
-            "burst": {"output_tok_s": burst, "ttft_p50_ms": 500.0}}
+    return {
+        "single": {"ttft_p50_ms": ttft, "ttft_p90_ms": ttft * 2, "decode_tok_s_p50": decode},
+        "burst": {"output_tok_s": burst, "ttft_p50_ms": 500.0},
+    }
 
 
 def _system(ttft: float, decode: float, burst: float, burst_failed: int = 0) -> dict:
@@ -51,8 +62,9 @@ def _system(ttft: float, decode: float, burst: float, burst_failed: int = 0) -> 
 def test_targets_are_ratios_to_llamacpp_each_way():
     by_system = {"iterserve": _system(60.0, 80.0, 150.0), "llamacpp": _system(30.0, 160.0, 100.0)}
     checks = {c["figure"]: c for c in fb.targets(by_system)}
-    ttft, decode, burst = (checks[k] for k in ("single: TTFT p50 (ms)", "single: decode tok/s p50",
-                                               "burst: output tok/s"))
+    ttft, decode, burst = (
+        checks[k] for k in ("single: TTFT p50 (ms)", "single: decode tok/s p50", "burst: output tok/s")
+    )
     # Exactly at the bound is met (<= 2x, >= 0.5x, >= 1.5x) ...
     assert (ttft["ratio"], decode["ratio"], burst["ratio"]) == pytest.approx((2.0, 0.5, 1.5))
     assert ttft["met"] and decode["met"] and burst["met"]
@@ -82,16 +94,26 @@ def test_a_scenario_with_failed_requests_gives_no_ratio():
 
 
 def test_medians_over_repeats_and_the_table_shows_them_with_the_verdicts():
-    runs = [{"single": {**_figures(t, d, b)["single"], "completed": 3, "requests": 3, "failed": 0,
-                        "output_lengths": [5]},
-             "burst": {**_figures(t, d, b)["burst"], "completed": 6, "requests": 6, "failed": 0,
-                       "output_lengths": [5]}}
-            for t, d, b in ((50.0, 100.0, 90.0), (70.0, 40.0, 120.0), (10.0, 60.0, None))]
+    runs = [
+        {
+            "single": {
+                **_figures(t, d, b)["single"],
+                "completed": 3,
+                "requests": 3,
+                "failed": 0,
+                "output_lengths": [5],
+            },
+            "burst": {**_figures(t, d, b)["burst"], "completed": 6, "requests": 6, "failed": 0, "output_lengths": [5]},
+        }
+        for t, d, b in ((50.0, 100.0, 90.0), (70.0, 40.0, 120.0), (10.0, 60.0, None))
+    ]
     med = fb.medians(runs)
     assert med["single"]["ttft_p50_ms"] == 50.0 and med["single"]["decode_tok_s_p50"] == 60.0
     assert med["burst"]["output_tok_s"] == 105.0  # a run without the figure does not count
-    by_system = {"iterserve": {"runs": runs, "figures": med},
-                 "llamacpp": {"runs": runs[:1], "figures": fb.medians(runs[:1])}}
+    by_system = {
+        "iterserve": {"runs": runs, "figures": med},
+        "llamacpp": {"runs": runs[:1], "figures": fb.medians(runs[:1])},
+    }
     table = fb.format_table(by_system, fb.targets(by_system))
     line = next(x for x in table.splitlines() if x.startswith("burst: output tok/s"))
     assert "105.0" in line and "90.0" in line and "1.17x" in line and ">= 1.5x MISSED" in line

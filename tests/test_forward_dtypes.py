@@ -7,6 +7,7 @@ teacher-forced: at every position of the engine's output, HF (same dtype, same i
 engine's token as its own top-1 or within TOP1_GAP nats of it, and the engine's log-prob of that token
 is within LOGPROB_TOL of HF's.
 """
+
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,13 @@ import torch.nn.functional as F
 from batcher import EngineConfig, LLMEngine, SamplingParams
 from batcher.cpu_linear import use_weight_major_linears
 from batcher.model_loader import cpu_has_native_bf16, load_model, resolve_dtype, tiny_llama
-from batcher.quantization import (PACKED_MAX_ROWS, PACKED_MAX_ROWS_TIED, Int8WeightLinear, quantize_int8,
-                                  quantize_linears)
+from batcher.quantization import (
+    PACKED_MAX_ROWS,
+    PACKED_MAX_ROWS_TIED,
+    Int8WeightLinear,
+    quantize_int8,
+    quantize_linears,
+)
 from tests.reference import mixed_prompts
 
 TINY, SMOL = "tiny-llama", "smollm2-135m-instruct"
@@ -53,8 +59,11 @@ def test_auto_with_int8_serves_float32_unquantized_where_bf16_is_emulated(native
     import batcher.model_loader as loader
 
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
-    engine = LLMEngine(EngineConfig(model=TINY, dtype="auto", quantization="int8", compile="off", num_threads=1,
-                                    num_kv_blocks=64, block_size=4))
+    engine = LLMEngine(
+        EngineConfig(
+            model=TINY, dtype="auto", quantization="int8", compile="off", num_threads=1, num_kv_blocks=64, block_size=4
+        )
+    )
     quantized = any(isinstance(m, Int8WeightLinear) for m in engine.runner.model.modules())
     assert (engine.dtype, quantized) == ((torch.bfloat16, True) if native else (torch.float32, False))
     out = engine.generate([[1, 2, 3]], [SamplingParams(max_tokens=2, ignore_eos=True)])
@@ -96,16 +105,21 @@ def test_every_linear_is_swapped_whatever_its_class():
 def test_load_model_int8_keeps_the_rest_in_dtype_and_one_embedding_for_a_tied_head():
     model, _ = load_model(TINY, torch.bfloat16, CPU, quantization="int8")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # norms, the embedding
-    assert all(m.qweight.dtype == torch.int8 and m.scales.dtype == torch.bfloat16
-               for m in model.modules() if isinstance(m, Int8WeightLinear))
+    assert all(
+        m.qweight.dtype == torch.int8 and m.scales.dtype == torch.bfloat16
+        for m in model.modules()
+        if isinstance(m, Int8WeightLinear)
+    )
     head, embedding = model.lm_head, model.get_input_embeddings().weight
     assert sum(p.numel() for p in model.parameters()) == embedding.numel() + sum(  # no float head copy
-        p.numel() for n, p in model.named_parameters() if "norm" in n)
+        p.numel() for n, p in model.named_parameters() if "norm" in n
+    )
     x = torch.randn(PACKED_MAX_ROWS_TIED + 1, embedding.shape[1], dtype=torch.bfloat16)
     assert torch.equal(head(x), F.linear(x, embedding))  # big products read the embedding itself
     x = x[:PACKED_MAX_ROWS_TIED]
-    torch.testing.assert_close(head(x).float(), F.linear(x.float(), head.dequantized_weight().float()),
-                               atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(
+        head(x).float(), F.linear(x.float(), head.dequantized_weight().float()), atol=3e-2, rtol=3e-2
+    )
     with pytest.raises(ValueError, match="unknown quantization"):
         load_model(TINY, torch.bfloat16, CPU, quantization="int4")
     with pytest.raises(ValueError, match="bfloat16 or float16 activations"):
@@ -119,7 +133,7 @@ def teacher_forced_agreement(model, prompts, outs):
     gap = lp_err = 0.0
     with torch.inference_mode():
         for prompt, out in zip(prompts, outs):
-            logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+            logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             for i, token in enumerate(out.token_ids):
                 best = int(logprobs[i].argmax())
@@ -135,8 +149,18 @@ def teacher_forced_agreement(model, prompts, outs):
 def test_bf16_and_int8_engines_agree_with_hf_in_the_same_dtype(name, quantization):
     model, tok = load_model(name, torch.bfloat16, CPU, quantization=quantization)
     prompts = [tok(p)["input_ids"] if isinstance(p, str) else p for p in mixed_prompts(name, n_random=3)]
-    engine = LLMEngine(EngineConfig(model=name, dtype="bfloat16", quantization=quantization, compile="off", num_threads=2,
-                                    num_kv_blocks=256, block_size=4, max_num_batched_tokens=32))
+    engine = LLMEngine(
+        EngineConfig(
+            model=name,
+            dtype="bfloat16",
+            quantization=quantization,
+            compile="off",
+            num_threads=2,
+            num_kv_blocks=256,
+            block_size=4,
+            max_num_batched_tokens=32,
+        )
+    )
     quantized = any(isinstance(m, Int8WeightLinear) for m in engine.runner.model.modules())
     assert quantized == (quantization == "int8")  # the engine ran the config's quantization
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)

@@ -2,6 +2,7 @@
 here up to their CUDA-only parts, so a session lent a GPU spends its minutes measuring, not debugging the script: on CPU the
 features' every row equals its reference, and the Serve check's config is serve_config.gpu.yaml's
 application with only the documented changes."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,11 @@ from load_tests.gpu_serve import ROOT, app_config
 
 def test_features_on_cpu_match_their_references(tmp_path, monkeypatch):
     out = tmp_path / "features.json"
-    monkeypatch.setattr(sys, "argv", ["gpu_features", "--device", "cpu", "--sections", "structured,async,compile_after_async",
-                                      "--out", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["gpu_features", "--device", "cpu", "--sections", "structured,async,compile_after_async", "--out", str(out)],
+    )
     gpu_features.main()
     report = json.loads(out.read_text())
     assert not [k for k in report if k.endswith("_error")], report
@@ -34,12 +38,24 @@ def test_features_on_cpu_match_their_references(tmp_path, monkeypatch):
 def test_serve_check_deploys_the_gpu_config_with_only_the_documented_changes(tmp_path):
     shipped = yaml.safe_load((ROOT / "serve_config.gpu.yaml").read_text())["applications"][0]["args"]
     cfg = app_config(tmp_path / "model", {"a": str(tmp_path / "a")}, "cuda")
-    changed = {section: {k: v for k, v in cfg[section].items() if shipped.get(section, {}).get(k) != v}
-               for section in cfg if isinstance(cfg[section], dict)}
+    changed = {
+        section: {k: v for k, v in cfg[section].items() if shipped.get(section, {}).get(k) != v}
+        for section in cfg
+        if isinstance(cfg[section], dict)
+    }
     assert changed == {
-        "engine": {"model": str(tmp_path / "model"), "max_model_len": 1024, "kv_cache_memory_gib": 8.0,
-                   "lora": {"adapters": {"a": str(tmp_path / "a")}, "max_loras": 2}},
-        "replica": {}, "ingress": {"num_replicas": 1}, "stream": {}, "autoscaling": {"max_replicas": 1}, "router": {}}
+        "engine": {
+            "model": str(tmp_path / "model"),
+            "max_model_len": 1024,
+            "kv_cache_memory_gib": 8.0,
+            "lora": {"adapters": {"a": str(tmp_path / "a")}, "max_loras": 2},
+        },
+        "replica": {},
+        "ingress": {"num_replicas": 1},
+        "stream": {},
+        "autoscaling": {"max_replicas": 1},
+        "router": {},
+    }
     assert load_config(cfg).engine.device == "cuda" and build_app(cfg) is not None
     assert app_config(tmp_path / "model", {}, "cpu")["replica"]["num_gpus"] == 0
 
@@ -51,12 +67,35 @@ def test_calibration_fits_the_last_sweep_of_a_random_model_and_sets_it_beside_a_
     from load_tests import calibrate_sim
 
     config = json.loads((ROOT / "load_tests/configs/llama-3.1-8b-like.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=49152)
+    config.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=49152,
+    )
     (tmp_path / "tiny.json").write_text(json.dumps(config))
     out = tmp_path / "calibrate.json"
-    args = ["--config", str(tmp_path / "tiny.json"), "--dtype", "bfloat16", "--compile", "off", "--batches", "1,3",
-            "--prompt-lens", "8,40", "--max-tokens", "3", "--max-num-batched-tokens", "32", "--num-kv-blocks", "256"]
+    args = [
+        "--config",
+        str(tmp_path / "tiny.json"),
+        "--dtype",
+        "bfloat16",
+        "--compile",
+        "off",
+        "--batches",
+        "1,3",
+        "--prompt-lens",
+        "8,40",
+        "--max-tokens",
+        "3",
+        "--max-num-batched-tokens",
+        "32",
+        "--num-kv-blocks",
+        "256",
+    ]
     one_sweep = calibrate_sim.main(args)
     report = calibrate_sim.main(args + ["--passes", "2", "--preset", "h100-llama3-8b", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -67,8 +106,10 @@ def test_calibration_fits_the_last_sweep_of_a_random_model_and_sets_it_beside_a_
     assert set(compare["models"]) == {"preset", "measured", "router learns"}
     assert compare["models"]["preset"] == vars(PRESETS["h100-llama3-8b"].step)
     for name, (prefill, decode, context) in calibrate_sim.PROBES.items():
-        assert compare["probes_ms"][name]["preset"] == PRESETS["h100-llama3-8b"].step.step_seconds(
-            prefill, decode, context) * 1e3
+        assert (
+            compare["probes_ms"][name]["preset"]
+            == PRESETS["h100-llama3-8b"].step.step_seconds(prefill, decode, context) * 1e3
+        )
     assert all(v > 0 for row in compare["capacity_rps"].values() for k, v in row.items() if k == "preset")
 
 

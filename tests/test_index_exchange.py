@@ -3,6 +3,7 @@ exchange's log in plain Python, the board's long poll and subscriptions, and LLM
 with fake replicas (no Ray cluster; the real actor between two callers: tests/test_router_serve.py):
 where prefixes are cached, and the requests each router has just sent, which the others count as
 load until the replica's reports do."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +42,7 @@ def test_entries_cross_as_builtins_with_the_routers_package_pickled_by_value():
     from ray import cloudpickle
 
     import router
+
     entries = [pack("r1", K[:4], Routed(1.0, 400, 300, "q1")), pack("r2", K[4:6], None, "q1")]
     cloudpickle.register_pickle_by_value(router)
     try:
@@ -83,6 +85,7 @@ def test_the_boards_long_poll_returns_when_another_router_pushes_and_keeps_deplo
         assert (await other)[1] == []  # another deployment's push is not its news: empty after its wait
         stats = (await board.stats())["deployments"]["app/LLMServer"]
         assert stats["entries_in"] == 2 and stats["hashes_out"] == 2 and stats["pulls"] == 2  # b's two calls
+
     asyncio.run(main())
 
 
@@ -90,6 +93,7 @@ def test_a_subscription_sends_each_push_as_it_comes_nothing_after_its_wait_and_e
     """What a router's subscription streams: the others' news as soon as one pushes (in one batch,
     whatever came meanwhile), an empty batch after each wait with nothing, its own pushes never; it
     ends after its lifetime, so one whose router went without a word does not stay open."""
+
     async def main():
         board, batches = ExchangeBoard(), []
         await board.pull("app/LLMServer", "b", None, 0)  # b is known: a's pushes are kept
@@ -98,6 +102,7 @@ def test_a_subscription_sends_each_push_as_it_comes_nothing_after_its_wait_and_e
             t0 = time.monotonic()
             async for cursor, news, others in board.subscribe("app/LLMServer", "b", 0, 0.5, lifetime_s=1.0):
                 batches.append((time.monotonic() - t0, news))
+
         listening = asyncio.create_task(listen())
         await asyncio.sleep(0.05)
         await board.push("app/LLMServer", "b", [pack("r9", K[:1])])  # b's own: nothing to send it
@@ -106,6 +111,7 @@ def test_a_subscription_sends_each_push_as_it_comes_nothing_after_its_wait_and_e
         await board.push("app/LLMServer", "a", [pack("r2", K[2:3]), pack("r3", K[3:4])])
         await asyncio.wait_for(listening, 2.0)
         return batches
+
     batches = asyncio.run(main())
     # Pushed at 0.05 s and 0.15 s: each sent at once, not after the 0.5 s wait.
     assert [news for _, news in batches[:2]] == [[pack("r1", K[:2])], [pack("r2", K[2:3]), pack("r3", K[3:4])]]
@@ -278,6 +284,7 @@ def test_a_cancelled_call_keeps_the_boards_handle_and_a_dead_actor_drops_it():
         def remote(self, *args):
             async def fail():
                 raise self.error
+
             return fail()
 
     class Stream(Call):  # one whose streaming call fails (a subscription)
@@ -288,6 +295,7 @@ def test_a_cancelled_call_keeps_the_boards_handle_and_a_dead_actor_drops_it():
             async def fail():
                 raise self.error
                 yield
+
             return fail()
 
     async def subscribe(board):

@@ -1,5 +1,6 @@
 """The packages import one way: tools (load_tests, cluster, examples, tests) -> deployments ->
 router -> batcher. An import running back up fails here, naming the file and the import."""
+
 import ast
 from pathlib import Path
 
@@ -20,9 +21,12 @@ def imported_packages(path: Path):
 
 @pytest.mark.parametrize("package", FLOORS)
 def test_imports_run_one_way(package):
-    allowed = set(FLOORS[:FLOORS.index(package) + 1])
+    allowed = set(FLOORS[: FLOORS.index(package) + 1])
     forbidden = (set(FLOORS) | TOOLS) - allowed
-    wrong = [f"{p.relative_to(ROOT)}:{line} imports {name}"
-             for p in sorted((ROOT / package).rglob("*.py"))
-             for name, line in imported_packages(p) if name in forbidden]
+    wrong = [
+        f"{p.relative_to(ROOT)}:{line} imports {name}"
+        for p in sorted((ROOT / package).rglob("*.py"))
+        for name, line in imported_packages(p)
+        if name in forbidden
+    ]
     assert not wrong, "\n".join(wrong)

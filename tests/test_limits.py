@@ -1,4 +1,5 @@
 """The ingress's guards without Ray: request limits, the body-size and API-key middlewares, key loading."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,25 +26,31 @@ def _refused(request: dict, limits: RequestLimits = LIMITS) -> APIError:
     return info.value
 
 
-@pytest.mark.parametrize("request_,param,named", [
-    ({"prompt": "x", "stop": ["s"] * 17}, "stop", "ingress.limits.max_stop = 16"),
-    ({"prompt": "x", "stop": ["s" * 257]}, "stop", "ingress.limits.max_stop_chars = 256"),
-    ({"prompt": "x", "stop_token_ids": list(range(17))}, "stop_token_ids", "max_stop"),
-    ({"prompt": "x", "stop_token_ids": [1000]}, "stop_token_ids", "[0, 1000)"),
-    ({"prompt": "x" * 65537}, "prompt", "ingress.limits.max_prompt_chars = 65536"),
-    ({"prompt": list(range(2049))}, "prompt", "max_model_len 2048"),
-    ({"prompt": [1, -1]}, "prompt", "token id -1"),
-    ({"prompt": [10**30]}, "prompt", "out of the vocabulary"),
-    ({"messages": [{"role": "user", "content": "x"}] * 1025}, "messages", "ingress.limits.max_messages = 1024"),
-    ({"messages": [{"role": "user", "content": [{"text": "x"}] * 1025}]}, "messages.0.content", "max_messages"),
-    ({"messages": [{"role": "user", "content": "x" * 40000}] * 2}, "messages", "80000 characters"),
-    ({"prompt": "x", "top_k": 1001}, "top_k", "vocabulary (1000"),
-    ({"prompt": "x", "max_tokens": 2049}, "max_tokens", "max_model_len 2048"),
-    ({"prompt": "x", "request_id": "r" * 257}, "request_id", "max_request_id_chars = 256"),
-    ({"prompt": "a\ud800"}, "prompt", "not valid Unicode"),
-    ({"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\udfff"}]}, "messages.1.content",
-     "not valid Unicode"),
-])
+@pytest.mark.parametrize(
+    "request_,param,named",
+    [
+        ({"prompt": "x", "stop": ["s"] * 17}, "stop", "ingress.limits.max_stop = 16"),
+        ({"prompt": "x", "stop": ["s" * 257]}, "stop", "ingress.limits.max_stop_chars = 256"),
+        ({"prompt": "x", "stop_token_ids": list(range(17))}, "stop_token_ids", "max_stop"),
+        ({"prompt": "x", "stop_token_ids": [1000]}, "stop_token_ids", "[0, 1000)"),
+        ({"prompt": "x" * 65537}, "prompt", "ingress.limits.max_prompt_chars = 65536"),
+        ({"prompt": list(range(2049))}, "prompt", "max_model_len 2048"),
+        ({"prompt": [1, -1]}, "prompt", "token id -1"),
+        ({"prompt": [10**30]}, "prompt", "out of the vocabulary"),
+        ({"messages": [{"role": "user", "content": "x"}] * 1025}, "messages", "ingress.limits.max_messages = 1024"),
+        ({"messages": [{"role": "user", "content": [{"text": "x"}] * 1025}]}, "messages.0.content", "max_messages"),
+        ({"messages": [{"role": "user", "content": "x" * 40000}] * 2}, "messages", "80000 characters"),
+        ({"prompt": "x", "top_k": 1001}, "top_k", "vocabulary (1000"),
+        ({"prompt": "x", "max_tokens": 2049}, "max_tokens", "max_model_len 2048"),
+        ({"prompt": "x", "request_id": "r" * 257}, "request_id", "max_request_id_chars = 256"),
+        ({"prompt": "a\ud800"}, "prompt", "not valid Unicode"),
+        (
+            {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\udfff"}]},
+            "messages.1.content",
+            "not valid Unicode",
+        ),
+    ],
+)
 def test_each_limit_is_a_400_naming_field_and_limit(request_, param, named):
     err = _refused(request_)
     assert err.param == param and named in err.message and err.message.startswith(param)
@@ -94,6 +101,7 @@ def _app(*middleware) -> TestClient:
 def _limit(n: int):
     async def max_bytes() -> int:
         return n
+
     return BodySizeLimit, {"max_bytes": max_bytes}
 
 
@@ -118,6 +126,7 @@ def _chunked(middleware, chunks: int, size: int = 100):
 
     async def send(message):
         sent.append(message)
+
     scope = {"type": "http", "method": "POST", "path": "/v1/echo", "headers": [(b"transfer-encoding", b"chunked")]}
     asyncio.run(middleware(scope, receive, send))
     return read, sent
@@ -128,6 +137,7 @@ def test_chunked_body_is_refused_once_past_the_limit():
 
     async def app(scope, receive, send):
         got.append(await receive())
+
     cls, kwargs = _limit(1000)
     read, sent = _chunked(cls(app, **kwargs), chunks=10_000)
     assert read == 11 and not got  # stopped at 1100 bytes, the app never ran
@@ -144,8 +154,12 @@ def test_derived_limits_admit_the_largest_allowed_request_and_grow_with_the_cont
     wide = RequestLimits(LimitsConfig(), max_model_len=4096, vocab_size=1000)
     for limits in (LIMITS, wide):
         c = limits.config
-        largest = {"prompt": "x" * limits.max_prompt_chars, "stop": ["s" * c.max_stop_chars] * c.max_stop,
-                   "user": "u" * c.max_user_chars, "max_tokens": 1}
+        largest = {
+            "prompt": "x" * limits.max_prompt_chars,
+            "stop": ["s" * c.max_stop_chars] * c.max_stop,
+            "user": "u" * c.max_user_chars,
+            "max_tokens": 1,
+        }
         client = _app(_limit(limits.max_body_bytes))
         assert client.post("/v1/echo", json=largest).status_code == 200
         limits.check_user(largest.pop("user"))
@@ -164,8 +178,13 @@ def test_api_keys(tmp_path, monkeypatch):
     client = _app((APIKeyAuth, {"keys": keys}))
     assert client.post("/v1/echo", content=b"ab", headers={"Authorization": "Bearer k2"}).json() == {"bytes": 2}
     assert client.post("/v1/echo", headers={"Authorization": "bearer k1"}).status_code == 200
-    for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": "Basic k1"}, {"Authorization": "Bearer k3"},
-                    {"Authorization": "Bearer k1k2"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer "},
+        {"Authorization": "Basic k1"},
+        {"Authorization": "Bearer k3"},
+        {"Authorization": "Bearer k1k2"},
+    ):
         r = client.post("/v1/echo", headers=headers)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         err = r.json()["error"]

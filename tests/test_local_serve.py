@@ -5,6 +5,7 @@ pytest worker may hold the session's Ray (conftest), and a process has one Ray.
 CI once lost all 220 Serve tests to one "Failed to bind to address": the session cluster's port, the
 OS's pick, was taken by one of Ray's processes between the pick and the proxy's bind.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,14 @@ print(json.dumps(seen))
 
 
 def test_local_serve_starts_its_own_cluster_on_a_free_port_and_stops_serve_and_ray_on_error():
-    out = subprocess.run([sys.executable, "-c", _DRIVER], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    out = subprocess.run(
+        [sys.executable, "-c", _DRIVER],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # Ray's raylet may print after the driver's JSON line.
     seen = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])

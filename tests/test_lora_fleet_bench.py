@@ -1,4 +1,5 @@
 """The multi-LoRA fleet benchmark (load_tests/lora_fleet_bench.py): its plan, and one smallest run on real Serve."""
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,26 @@ def test_workload_is_seeded_round_robin_and_shared_by_the_systems():
 
 
 def test_comparison_is_multiplexed_over_per_adapter():
-    mux = {"output_tokens_per_s": 300.0, "output_tokens_per_cpu_s": 100.0, "ttft_ms_p50": 50.0,
-           "answers": ["x", "y", "z"]}
-    per = {"output_tokens_per_s": 100.0, "output_tokens_per_cpu_s": 50.0, "ttft_ms_p50": 100.0,
-           "answers": ["x", "q", "z"]}
+    mux = {
+        "output_tokens_per_s": 300.0,
+        "output_tokens_per_cpu_s": 100.0,
+        "ttft_ms_p50": 50.0,
+        "answers": ["x", "y", "z"],
+    }
+    per = {
+        "output_tokens_per_s": 100.0,
+        "output_tokens_per_cpu_s": 50.0,
+        "ttft_ms_p50": 100.0,
+        "answers": ["x", "q", "z"],
+    }
     c = bench.compare({"multiplexed": mux, "per-adapter": per})
-    assert c == {"throughput_ratio": 3.0, "per_cpu_s_ratio": 2.0, "ttft_p50_ratio": 0.5, "answers_equal": 2,
-                 "answers": 3}
+    assert c == {
+        "throughput_ratio": 3.0,
+        "per_cpu_s_ratio": 2.0,
+        "ttft_p50_ratio": 0.5,
+        "answers_equal": 2,
+        "answers": 3,
+    }
     assert bench.compare({"multiplexed": mux}) == {}
 
 
@@ -56,9 +70,27 @@ def test_smallest_run_on_real_serve(serve_cluster, tmp_path):
     from ray import serve
 
     out = tmp_path / "fleet.json"
-    result = bench.main(["--model", "tiny-llama", "--dtype", "float32", "--adapters", "1", "--num-requests", "6",
-                         "--concurrency", "3", "--max-tokens", "4", "--adapters-dir", str(tmp_path / "adapters"),
-                         "--json", str(out)], server=serve_cluster.server)
+    result = bench.main(
+        [
+            "--model",
+            "tiny-llama",
+            "--dtype",
+            "float32",
+            "--adapters",
+            "1",
+            "--num-requests",
+            "6",
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "4",
+            "--adapters-dir",
+            str(tmp_path / "adapters"),
+            "--json",
+            str(out),
+        ],
+        server=serve_cluster.server,
+    )
     assert json.loads(out.read_text())["results"]["1"]["comparison"]["answers"] == 6
     res = result["results"][1]
     for system in bench.SYSTEMS:

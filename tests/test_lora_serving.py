@@ -1,6 +1,7 @@
 """Multi-LoRA serving through real Serve: adapter names, /v1/models, the load/unload endpoints, the
 router sending an adapter's requests to the replica holding it (simulated replicas: adapters are
 bookkeeping there), and a real PEFT adapter on tiny-llama changing the answer."""
+
 from __future__ import annotations
 
 import httpx
@@ -16,8 +17,12 @@ def sim_config(replicas: int, lora: dict, router_class=None) -> dict:
     router = {"request_routing_stats_period_s": 0.2}
     if router_class:
         router["request_router_class"] = router_class
-    return {"engine": {"model": SIM, "num_kv_blocks": 256, "block_size": 8, "max_num_seqs": 16, "lora": lora},
-            "replica": {"num_replicas": replicas}, "stream": {"interval_ms": 10}, "router": router}
+    return {
+        "engine": {"model": SIM, "num_kv_blocks": 256, "block_size": 8, "max_num_seqs": 16, "lora": lora},
+        "replica": {"num_replicas": replicas},
+        "stream": {"interval_ms": 10},
+        "router": router,
+    }
 
 
 def chat(url: str, model=None, text="Hello there", max_tokens=4, **extra) -> httpx.Response:
@@ -31,8 +36,9 @@ def chat(url: str, model=None, text="Hello there", max_tokens=4, **extra) -> htt
 def dynamic_app(serve_cluster, tmp_path_factory):
     """Two simulated replicas, LLMRouter, adapters found on first use in a dynamic loading path."""
     root = tmp_path_factory.mktemp("adapters")
-    yield serve_cluster.deploy("loradyn", sim_config(2, {"max_loras": 2, "dynamic_lora_loading_path": str(root)},
-                                                     "router:LLMRouter"))
+    yield serve_cluster.deploy(
+        "loradyn", sim_config(2, {"max_loras": 2, "dynamic_lora_loading_path": str(root)}, "router:LLMRouter")
+    )
     serve_cluster.delete("loradyn")
 
 
@@ -62,8 +68,12 @@ def test_an_adapters_requests_go_to_the_replica_holding_it(dynamic_app):
     from ray import serve
 
     from deployments.protocol import GenerateRequest
-    out = serve.get_app_handle("loradyn").generate.remote(
-        GenerateRequest(prompt="hi", max_tokens=2, model="alpha")).result()
+
+    out = (
+        serve.get_app_handle("loradyn")
+        .generate.remote(GenerateRequest(prompt="hi", max_tokens=2, model="alpha"))
+        .result()
+    )
     assert out.replica_id == holder
 
 
@@ -89,8 +99,9 @@ def test_unknown_names_are_404_when_the_ingress_knows_every_adapter(static_app):
 
 def test_load_then_unload_an_adapter(static_app):
     assert chat(static_app, "added").status_code == 404
-    r = httpx.post(f"{static_app}/v1/load_lora_adapter", json={"lora_name": "added", "lora_path": "/adapters/a"},
-                   timeout=30)
+    r = httpx.post(
+        f"{static_app}/v1/load_lora_adapter", json={"lora_name": "added", "lora_path": "/adapters/a"}, timeout=30
+    )
     assert r.status_code == 200, r.text
     assert chat(static_app, "added").status_code == 200
     assert "added" in [c["id"] for c in httpx.get(f"{static_app}/v1/models", timeout=30).json()["data"]]
@@ -98,18 +109,22 @@ def test_load_then_unload_an_adapter(static_app):
     assert r.status_code == 200, r.text
     assert chat(static_app, "added").status_code == 404
     assert "added" not in [c["id"] for c in httpx.get(f"{static_app}/v1/models", timeout=30).json()["data"]]
-    assert httpx.post(f"{static_app}/v1/unload_lora_adapter", json={"lora_name": "added"}, timeout=30).status_code == 404
+    assert (
+        httpx.post(f"{static_app}/v1/unload_lora_adapter", json={"lora_name": "added"}, timeout=30).status_code == 404
+    )
     bad = httpx.post(f"{static_app}/v1/load_lora_adapter", json={"lora_name": "x"}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
 
 
 # ---- a real adapter: tiny-llama ----------------------------------------------------------------------
 
+
 def _peft_adapter(model, directory) -> str:
     from peft import LoraConfig, get_peft_model
 
-    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-                   ).save_pretrained(directory)
+    get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ).save_pretrained(directory)
     return str(directory)
 
 
@@ -123,8 +138,16 @@ def tiny_lora(serve_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-adapters")
     torch.manual_seed(0)
     good = _peft_adapter(load_model(TINY, torch.float32, torch.device("cpu"))[0], root / "good")
-    other = LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=128))
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=128,
+        )
+    )
     wrong_shape = _peft_adapter(other, root / "wrong-shape")
     (root / "empty").mkdir()
     config = tiny_config()

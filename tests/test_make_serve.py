@@ -5,6 +5,7 @@ Ctrl-C sends to the whole process group. Every process it starts carries a marke
 (Ray's processes inherit the driver's environment), so the test finds them all in /proc, whatever
 Ray renamed them to, and can tell that none outlives the Ctrl-C.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,15 @@ def test_ctrl_c_on_make_serve_stops_everything_it_started(tmp_path):
     # -o install -o model: the environment running this test is already installed and prepared.
     cmd = ["make", "-o", "install", "-o", "model", "serve", f"VENV={venv}", f"SERVE_CONFIG={config}"]
     log = open(tmp_path / "make_serve.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
     def log_tail() -> str:
         return (tmp_path / "make_serve.log").read_text()[-3000:]
@@ -82,8 +90,11 @@ def test_ctrl_c_on_make_serve_stops_everything_it_started(tmp_path):
                 pass
             assert time.monotonic() < deadline, f"no /health 200 within {START_BOUND_S} s:\n{log_tail()}"
             time.sleep(1)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         started = marked_pids(token)
         # make, serve run, GCS, raylet, Serve controller, proxy, ingress, LLM replica at least.
@@ -97,9 +108,12 @@ def test_ctrl_c_on_make_serve_stops_everything_it_started(tmp_path):
             time.sleep(0.5)
         left = marked_pids(token)
         assert not left, f"still running {STOP_BOUND_S} s after Ctrl-C: " + ", ".join(
-            f"{pid} {_cmdline(pid)}" for pid in left)
-        print(f"make serve: {len(started)} processes; make exited {exited:.1f} s after Ctrl-C, "
-              f"all gone after {time.monotonic() - t0:.1f} s")
+            f"{pid} {_cmdline(pid)}" for pid in left
+        )
+        print(
+            f"make serve: {len(started)} processes; make exited {exited:.1f} s after Ctrl-C, "
+            f"all gone after {time.monotonic() - t0:.1f} s"
+        )
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -1,4 +1,5 @@
 """The metric definitions, the Grafana dashboard built on them and the request log line (no Ray)."""
+
 from __future__ import annotations
 
 import contextvars
@@ -42,8 +43,12 @@ def test_dashboard_refers_only_to_variables_and_metrics_it_has():
     sources = {f"${{{name}}}" for name, v in defined.items() if v["type"] == "datasource"}
     for p in dashboard["panels"]:
         assert {p["datasource"]["uid"]} | {t["datasource"]["uid"] for t in p["targets"]} <= sources, p["title"]
-    queried = {name for v in defined.values() if v["type"] == "query"
-               for name in re.findall(r"\b(ray_iterserve_[a-z0-9_]+)", json.dumps(v["query"]))}
+    queried = {
+        name
+        for v in defined.values()
+        if v["type"] == "query"
+        for name in re.findall(r"\b(ray_iterserve_[a-z0-9_]+)", json.dumps(v["query"]))
+    }
     assert queried <= metrics.exported_names(), queried - metrics.exported_names()
 
 
@@ -61,15 +66,25 @@ def test_request_log_line_is_json_once_without_text():
     old_level = logger.level
     logger.setLevel(logging.INFO)
     try:
+
         def run():
             request_log.failed(500, "internal_error")  # nothing begun in this context: no line
             record = request_log.begin("cmpl-1", stream=True)
             record.prepared()
             record.first_token(0.002)
-            out = GenerateResponse(request_id="cmpl-1", text="SECRET OUTPUT", token_ids=[5, 6], finish_reason="stop",
-                                   prompt_tokens=7, completion_tokens=2, cached_tokens=4, replica_id="r1")
+            out = GenerateResponse(
+                request_id="cmpl-1",
+                text="SECRET OUTPUT",
+                token_ids=[5, 6],
+                finish_reason="stop",
+                prompt_tokens=7,
+                completion_tokens=2,
+                cached_tokens=4,
+                replica_id="r1",
+            )
             record.write(200, out)
             request_log.failed(503, "service_unavailable_error")  # already written: ignored
+
         contextvars.copy_context().run(run)
     finally:
         logger.removeHandler(handler)
@@ -77,9 +92,19 @@ def test_request_log_line_is_json_once_without_text():
     assert len(records) == 1
     message = records[0].getMessage()
     line = json.loads(message)
-    assert line == {**line, "event": "iterserve_request", "request_id": "cmpl-1", "stream": True, "status_code": 200,
-                    "error_type": None, "finish_reason": "stop", "prompt_tokens": 7, "output_tokens": 2,
-                    "cached_tokens": 4, "replica_id": "r1"}
+    assert line == {
+        **line,
+        "event": "iterserve_request",
+        "request_id": "cmpl-1",
+        "stream": True,
+        "status_code": 200,
+        "error_type": None,
+        "finish_reason": "stop",
+        "prompt_tokens": 7,
+        "output_tokens": 2,
+        "cached_tokens": 4,
+        "replica_id": "r1",
+    }
     assert 0 <= line["ttft_s"] <= line["e2e_s"] and 0 <= line["prepare_s"] <= line["ttft_s"]
     assert line["replica_ttft_s"] == 0.002  # the first chunk's (the answer in `out` has none)
     assert "SECRET" not in message

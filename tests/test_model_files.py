@@ -1,6 +1,7 @@
 """batcher.model_files: the embedded tokenizer loaded by class is AutoTokenizer's, and what a replica
 start imports (an ingress: no torch; a simulated engine: not the forward's modules, ~5 s of CPU a start
 on a Zen 3 core together)."""
+
 import json
 import subprocess
 import sys
@@ -11,8 +12,14 @@ from transformers import AutoTokenizer
 from batcher.model_files import embedded_model_dir, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXTS = ["Hello world", "  leading spaces\n\ttabs", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 日本語 🙂",
-         "def f(x):\n    return x ** 2  # 42", "x" * 300]
+TEXTS = [
+    "Hello world",
+    "  leading spaces\n\ttabs",
+    "<|im_start|>user\nhi<|im_end|>",
+    "ünïcödé 日本語 🙂",
+    "def f(x):\n    return x ** 2  # 42",
+    "x" * 300,
+]
 
 
 def test_the_embedded_tokenizer_is_the_one_autotokenizer_loads():
@@ -20,8 +27,15 @@ def test_the_embedded_tokenizer_is_the_one_autotokenizer_loads():
     assert type(ours) is type(auto)
     assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
     assert ours.added_tokens_decoder == auto.added_tokens_decoder and ours.init_kwargs == auto.init_kwargs
-    for attr in ("chat_template", "eos_token_id", "bos_token_id", "pad_token_id", "all_special_ids",
-                 "model_max_length", "clean_up_tokenization_spaces"):
+    for attr in (
+        "chat_template",
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+        "all_special_ids",
+        "model_max_length",
+        "clean_up_tokenization_spaces",
+    ):
         assert getattr(ours, attr) == getattr(auto, attr), attr
     for text in TEXTS:
         for special in (True, False):
@@ -29,8 +43,9 @@ def test_the_embedded_tokenizer_is_the_one_autotokenizer_loads():
             assert ours(text, add_special_tokens=special)["input_ids"] == ids
             assert ours.decode(ids) == auto.decode(ids)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[3]}]
-    assert ours.apply_chat_template(messages, add_generation_prompt=True) == \
-        auto.apply_chat_template(messages, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == auto.apply_chat_template(
+        messages, add_generation_prompt=True
+    )
 
 
 _IMPORTS = """

@@ -6,6 +6,7 @@ and the same whatever the batch, choices without a seat or a block, preemption a
 through the official openai client and the Python handle against the session's tiny app (real Ray,
 real Serve), and the ingress limit `max_n` without Ray.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,9 @@ SEEDED3 = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=11, ignore_eo
 
 
 def tiny_engine(**config) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=TINY, dtype="float32", max_model_len=256, block_size=BS,
-                                  **{"num_kv_blocks": 128, **config}))
+    return LLMEngine(
+        EngineConfig(model=TINY, dtype="float32", max_model_len=256, block_size=BS, **{"num_kv_blocks": 128, **config})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,7 @@ def step_until_forked(engine: LLMEngine, request_id: str, n: int) -> None:
 
 
 # ---- the engine ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("prompt_len", [37, 36])  # a partial last block (copied), and none
 def test_prompt_is_prefilled_once_and_its_blocks_shared_then_freed(tiny, prompts, prompt_len):
@@ -77,14 +80,16 @@ def test_greedy_choices_are_identical_and_equal_hf_generate(tiny, prompts):
     assert [(o.index, o.finish_reason) for o in outs] == [(i, "length") for i in range(3)] * 2
     for k, prompt in enumerate(prompts[:2]):
         expected = hf_greedy(TINY, prompt, GREEDY3.max_tokens)
-        assert [o.token_ids for o in outs[3 * k:3 * k + 3]] == [expected] * 3
+        assert [o.token_ids for o in outs[3 * k : 3 * k + 3]] == [expected] * 3
 
 
 def test_seeded_choices_are_distinct_and_the_same_in_any_batch(tiny, prompts):
     alone = [o.token_ids for o in tiny.generate(prompts[0], SEEDED3)]
     assert len({tuple(t) for t in alone}) == 3  # each choice samples its own stream
-    others = [SamplingParams(n=2, max_tokens=7, temperature=1.0, seed=3, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0.7, ignore_eos=True)]
+    others = [
+        SamplingParams(n=2, max_tokens=7, temperature=1.0, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.7, ignore_eos=True),
+    ]
     together = tiny.generate([prompts[1], prompts[0], prompts[2]], [others[0], SEEDED3, others[1]])
     assert [o.token_ids for o in together[2:5]] == alone
     single = tiny.generate(prompts[0], SEEDED3.model_copy(update={"n": 1}))
@@ -100,13 +105,21 @@ def test_each_choice_stops_on_its_own(tiny, prompts):
         k = tokens.index(stop_at) + 1 if stop_at in tokens else len(tokens)
         assert (o.token_ids, o.finish_reason) == (tokens[:k], "stop" if stop_at in tokens else "length")
     assert "length" in {o.finish_reason for o in outs}  # the others ran on: the stop was choice 1's alone
-    assert [o.finish_reason for o in tiny.generate(prompts[1], GREEDY3.model_copy(update={"max_tokens": 1}))] == \
-        ["length"] * 3  # every choice ends in the step that forks it
+    assert [o.finish_reason for o in tiny.generate(prompts[1], GREEDY3.model_copy(update={"max_tokens": 1}))] == [
+        "length"
+    ] * 3  # every choice ends in the step that forks it
     assert tiny.block_manager.num_free_blocks == tiny.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("config", [{"max_num_seqs": 2}, {"max_num_seqs": 3, "enable_prefix_caching": False},
-                                    {"num_kv_blocks": 16}, {"scheduling": "static", "static_batch_size": 2}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"max_num_seqs": 2},
+        {"max_num_seqs": 3, "enable_prefix_caching": False},
+        {"num_kv_blocks": 16},
+        {"scheduling": "static", "static_batch_size": 2},
+    ],
+)
 def test_choices_without_a_seat_or_block_wait_and_come_back_the_same(prompts, config):
     """Too few seats: the choices that find none wait, and come back through the prefix cache (or
     recompute the prompt without one). Too few blocks: choices are preempted and recomputed. A
@@ -133,14 +146,20 @@ def test_abort_ends_every_choice_and_frees_every_block(tiny, prompts, steps):
 
 def test_async_stream_interleaves_choices_and_ends_after_the_last():
     async def main():
-        engine = AsyncLLMEngine(EngineConfig(model=TINY, dtype="float32", max_model_len=256, num_kv_blocks=64,
-                                             block_size=BS))
+        engine = AsyncLLMEngine(
+            EngineConfig(model=TINY, dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=BS)
+        )
         try:
             prompt = [5, 6, 7, 8, 9]
-            deltas = [d async for d in engine.stream(prompt, SamplingParams(n=3, max_tokens=5, temperature=1.0,
-                                                                              seed=2, ignore_eos=True))]
-            whole = await engine.generate_choices(prompt, SamplingParams(n=3, max_tokens=5, temperature=1.0,
-                                                                         seed=2, ignore_eos=True))
+            deltas = [
+                d
+                async for d in engine.stream(
+                    prompt, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=2, ignore_eos=True)
+                )
+            ]
+            whole = await engine.generate_choices(
+                prompt, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=2, ignore_eos=True)
+            )
             await asyncio.sleep(0.1)  # the loop publishes its snapshot after the round
             return deltas, whole, engine.stats()
         finally:
@@ -156,6 +175,7 @@ def test_async_stream_interleaves_choices_and_ends_after_the_last():
 
 # ---- the ingress limit, without Ray --------------------------------------------------------------
 
+
 def test_n_is_limited_at_the_ingress():
     limits = RequestLimits(LimitsConfig(), max_model_len=2048, vocab_size=1000)
     limits.check_request(GenerateRequest(prompt="x", n=8))
@@ -166,6 +186,7 @@ def test_n_is_limited_at_the_ingress():
 
 
 # ---- through HTTP and the handle (the session's tiny app) ----------------------------------------
+
 
 @pytest.fixture(scope="module")
 def client(tiny_app):
@@ -186,8 +207,15 @@ def test_completions_with_n_non_streamed(client):
 
 
 def test_chat_with_n_streamed_equals_non_streamed(client):
-    request = dict(model=TINY, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=10,
-                   temperature=1.0, seed=9, n=3, extra_body={"ignore_eos": True})
+    request = dict(
+        model=TINY,
+        messages=[{"role": "user", "content": "Tell me a story"}],
+        max_tokens=10,
+        temperature=1.0,
+        seed=9,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**request)
     assert [c.index for c in whole.choices] == [0, 1, 2]
     assert len({c.message.content for c in whole.choices}) == 3
@@ -206,8 +234,15 @@ def test_chat_with_n_streamed_equals_non_streamed(client):
 
 
 def test_completions_stream_with_n_ends_once(tiny_app):
-    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "n": 2, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 5,
+        "temperature": 0,
+        "n": 2,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{tiny_app}/v1/completions", json=body, timeout=120) as r:
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
     assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
@@ -220,9 +255,12 @@ def test_completions_stream_with_n_ends_once(tiny_app):
 
 @pytest.mark.parametrize("n", [0, 9])
 def test_n_out_of_range_is_a_400_naming_n(client, n):
-    for create in (lambda: client.completions.create(model=TINY, prompt="hi", max_tokens=2, n=n),
-                   lambda: client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}],
-                                                          max_tokens=2, n=n)):
+    for create in (
+        lambda: client.completions.create(model=TINY, prompt="hi", max_tokens=2, n=n),
+        lambda: client.chat.completions.create(
+            model=TINY, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=n
+        ),
+    ):
         with pytest.raises(openai.BadRequestError) as info:
             create()
         assert info.value.status_code == 400 and info.value.body["param"] == "n"
@@ -237,5 +275,6 @@ def test_handle_generate_and_stream_with_n(tiny_app):
     assert [c.index for c in out.choices] == [0, 1] and out.text == out.choices[0].text
     assert out.completion_tokens == 12 and [c.finish_reason for c in out.choices] == ["length"] * 2
     chunks = list(handle.options(stream=True).stream.remote(request))
-    assert [[t for ch in chunks if ch.index == i for t in ch.token_ids] for i in (0, 1)] == \
-        [c.token_ids for c in out.choices]
+    assert [[t for ch in chunks if ch.index == i for t in ch.token_ids] for i in (0, 1)] == [
+        c.token_ids for c in out.choices
+    ]

@@ -1,4 +1,5 @@
 """Every paged-attention implementation against the gather + SDPA reference (batcher/attention/)."""
+
 import os
 import random
 import subprocess
@@ -14,8 +15,7 @@ from batcher.attention.reference import reference_paged_attention
 BLOCK = 4
 
 
-def make_step(q_lens, ctx_lens, heads, kv_heads, head_dim=32, dtype=torch.float32, pad=0, extra_seqs=0,
-              seed=0):
+def make_step(q_lens, ctx_lens, heads, kv_heads, head_dim=32, dtype=torch.float32, pad=0, extra_seqs=0, seed=0):
     """Random caches and one step's metadata: sequence b has q_lens[b] new tokens ending at ctx_lens[b]
     (q_len < ctx_len: a prefix already cached), blocks scattered in the cache, the last block scratch.
     `pad` padding rows and `extra_seqs` unused trailing sequences (q_len 0, context 0) as the runner's
@@ -29,8 +29,9 @@ def make_step(q_lens, ctx_lens, heads, kv_heads, head_dim=32, dtype=torch.float3
     rows = tables + [[] for _ in range(extra_seqs)]
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32)
     scratch = (num_blocks - 1) * BLOCK
-    slots = [t[p // BLOCK] * BLOCK + p % BLOCK
-             for t, n, c in zip(tables, q_lens, ctx_lens) for p in range(c - n, c)] + [scratch] * pad
+    slots = [
+        t[p // BLOCK] * BLOCK + p % BLOCK for t, n, c in zip(tables, q_lens, ctx_lens) for p in range(c - n, c)
+    ] + [scratch] * pad
     T = len(slots)
     starts = [0]
     for n in list(q_lens) + [0] * extra_seqs:
@@ -40,12 +41,17 @@ def make_step(q_lens, ctx_lens, heads, kv_heads, head_dim=32, dtype=torch.float3
         return torch.randn(*shape, generator=g).to(dtype)
 
     return dict(
-        query=rand(T, heads, head_dim), key=rand(T, kv_heads, head_dim), value=rand(T, kv_heads, head_dim),
-        k_cache=rand(num_blocks * BLOCK, kv_heads, head_dim), v_cache=rand(num_blocks * BLOCK, kv_heads, head_dim),
+        query=rand(T, heads, head_dim),
+        key=rand(T, kv_heads, head_dim),
+        value=rand(T, kv_heads, head_dim),
+        k_cache=rand(num_blocks * BLOCK, kv_heads, head_dim),
+        v_cache=rand(num_blocks * BLOCK, kv_heads, head_dim),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start=torch.tensor(starts, dtype=torch.int32),
         context_lens=torch.tensor(list(ctx_lens) + [0] * extra_seqs, dtype=torch.int32),
-        block_tables=block_tables, block_size=BLOCK, scale=head_dim ** -0.5,
+        block_tables=block_tables,
+        block_size=BLOCK,
+        scale=head_dim**-0.5,
     )
 
 
@@ -54,10 +60,15 @@ def with_sliced_table(step):
     it (`block_tables[:B, :width]`): rows `stride(0)` apart, not `width`. The buffer's other columns
     hold other blocks, so a kernel stepping rows by the width reads the wrong blocks."""
     table = step["block_tables"]
-    wide = torch.randint(0, step["k_cache"].shape[0] // BLOCK, (table.shape[0], table.shape[1] + 7),
-                         dtype=table.dtype, generator=torch.Generator().manual_seed(1))
-    wide[:, :table.shape[1]] = table
-    sliced = wide[:, :table.shape[1]]
+    wide = torch.randint(
+        0,
+        step["k_cache"].shape[0] // BLOCK,
+        (table.shape[0], table.shape[1] + 7),
+        dtype=table.dtype,
+        generator=torch.Generator().manual_seed(1),
+    )
+    wide[:, : table.shape[1]] = table
+    sliced = wide[:, : table.shape[1]]
     assert not sliced.is_contiguous()
     return {**step, "block_tables": sliced}
 
@@ -106,7 +117,7 @@ def test_reference_matches_the_definition(case):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_cache, want_k)  # cache writes landed in their slots, nothing else moved
     torch.testing.assert_close(v_cache, want_v)
-    assert out[step["query_start"][-1]:].abs().sum() == 0  # padding rows are zero
+    assert out[step["query_start"][-1] :].abs().sum() == 0  # padding rows are zero
 
 
 def random_case(rng: random.Random):
@@ -161,8 +172,14 @@ def test_triton_kernel_matches_reference_in_the_interpreter():
     # torch.compile may already have done in this process: check in a subprocess.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
     code = "import test_paged_attention_op as t; t.check_triton_against_reference()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[1],
+    )
     assert proc.returncode == 0 and "triton matches" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -170,13 +187,36 @@ def test_compiled_call_sees_one_opaque_op():
     step = make_step([1, 4], [9, 4], 6, 2, pad=2)
 
     def attend(query, key, value, k_cache, v_cache, slot_mapping, query_start, context_lens, block_tables):
-        out = torch.ops.iterserve.paged_attention(query * 1.0, key, value, k_cache, v_cache, slot_mapping,
-                                                  query_start, context_lens, block_tables, BLOCK, 0.2,
-                                                  "reference")
+        out = torch.ops.iterserve.paged_attention(
+            query * 1.0,
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            query_start,
+            context_lens,
+            block_tables,
+            BLOCK,
+            0.2,
+            "reference",
+        )
         return out.sum(-1)
 
-    tensors = [step[k] for k in ("query", "key", "value", "k_cache", "v_cache", "slot_mapping",
-                                 "query_start", "context_lens", "block_tables")]
+    tensors = [
+        step[k]
+        for k in (
+            "query",
+            "key",
+            "value",
+            "k_cache",
+            "v_cache",
+            "slot_mapping",
+            "query_start",
+            "context_lens",
+            "block_tables",
+        )
+    ]
     eager_args = [t.clone() for t in tensors]
     compiled_args = [t.clone() for t in tensors]
     want = attend(*eager_args)

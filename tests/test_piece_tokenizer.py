@@ -1,6 +1,7 @@
 """The ingress tokenizes a prompt a piece at a time between added tokens, each piece remembered: the
 ids are the tokenizer's own, a chat's history is not tokenized again, and tokenizers where pieces
 would not give the same ids are tokenized whole."""
+
 import asyncio
 import random
 import re
@@ -62,15 +63,23 @@ def test_odd_text_round_added_tokens_gives_the_tokenizers_ids(smol):
     rng = random.Random(1)
     added = list(smol.backend_tokenizer.get_added_tokens_decoder().values())
     for _ in range(200):
-        s = "".join(rng.choice([rng.choice(added).content, text(rng, rng.randint(0, 40)), " ", "\n"])
-                    for _ in range(rng.randint(1, 12)))
+        s = "".join(
+            rng.choice([rng.choice(added).content, text(rng, rng.randint(0, 40)), " ", "\n"])
+            for _ in range(rng.randint(1, 12))
+        )
         assert pieces.encode(s) == smol(s)["input_ids"], repr(s)
     assert pieces.encode("") == smol("")["input_ids"]
 
 
 def test_a_bos_added_by_the_post_processor_wraps_the_pieces(smol):
-    bos = variant(smol, lambda t: setattr(t, "post_processor", processors.TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])))
+    bos = variant(
+        smol,
+        lambda t: setattr(
+            t,
+            "post_processor",
+            processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]),
+        ),
+    )
     pieces = PieceTokenizer(bos)
     assert not pieces.whole
     for prompt in chat_turns(bos, turns=3):
@@ -84,15 +93,21 @@ def sentencepiece_like() -> PreTrainedTokenizerFast:
     t = Tokenizer(models.BPE(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     corpus = ["hello there world", "a b hi there", "user said hello", "<tool> <word> c"] * 20
-    t.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"]))
+    t.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"])
+    )
     return PreTrainedTokenizerFast(tokenizer_object=t)
 
 
-@pytest.mark.parametrize("make", [
-    lambda smol: sentencepiece_like(),
-    lambda smol: variant(smol, lambda t: t.add_special_tokens([AddedToken("<tool>", lstrip=True)])),
-    lambda smol: variant(smol, lambda t: t.add_special_tokens([AddedToken("<word>", single_word=True)])),
-], ids=["metaspace-first", "lstrip", "single-word"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda smol: sentencepiece_like(),
+        lambda smol: variant(smol, lambda t: t.add_special_tokens([AddedToken("<tool>", lstrip=True)])),
+        lambda smol: variant(smol, lambda t: t.add_special_tokens([AddedToken("<word>", single_word=True)])),
+    ],
+    ids=["metaspace-first", "lstrip", "single-word"],
+)
 def test_tokenizers_whose_pieces_differ_are_tokenized_whole(smol, make):
     other = make(smol)
     pieces = PieceTokenizer(other)
@@ -103,7 +118,12 @@ def test_tokenizers_whose_pieces_differ_are_tokenized_whole(smol, make):
     # Why: cut at the added tokens anyway, these tokenizers give other ids.
     added = {t.content: i for i, t in other.backend_tokenizer.get_added_tokens_decoder().items()}
     forced = PieceTokenizer(other)
-    forced._split = (re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")"), added, [], [])
+    forced._split = (
+        re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")"),
+        added,
+        [],
+        [],
+    )
     assert any(forced.encode(s) != other(s)["input_ids"] for s in texts)
 
 

@@ -1,5 +1,6 @@
 """Request traces (cluster.request_traces) and the synthetic generators (cluster.synthetic_traces): no
 server, seconds."""
+
 from __future__ import annotations
 
 import gzip
@@ -8,8 +9,7 @@ import numpy as np
 import pytest
 
 from cluster import synthetic_traces as syn
-from cluster.request_traces import (RequestTrace, bundled, load_request_trace, prompt_token_ids,
-                                    write_request_trace)
+from cluster.request_traces import RequestTrace, bundled, load_request_trace, prompt_token_ids, write_request_trace
 from cluster.traces import day_trace
 
 VOCAB = (17, 49152)  # SmolLM2's ordinary text tokens
@@ -33,9 +33,15 @@ def _same(a: RequestTrace, b: RequestTrace) -> None:
 
 # ---- the bundled public traces --------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,requests,bursty,blocks", [("azure_code_2023", 8819, True, False),
-                                                         ("azure_conv_2023", 19366, False, False),
-                                                         ("mooncake_conversation", 12031, False, True)])
+
+@pytest.mark.parametrize(
+    "name,requests,bursty,blocks",
+    [
+        ("azure_code_2023", 8819, True, False),
+        ("azure_conv_2023", 19366, False, False),
+        ("mooncake_conversation", 12031, False, True),
+    ],
+)
 def test_bundled_traces_load_with_their_counts_and_shapes(name, requests, bursty, blocks):
     trace = load_request_trace(bundled(name))
     d = trace.describe()
@@ -58,6 +64,7 @@ def test_bundled_names_an_unknown_trace_with_the_known_ones():
 
 
 # ---- malformed files ------------------------------------------------------------------------------
+
 
 def test_malformed_files_are_named_with_their_line(tmp_path):
     bad_csv = tmp_path / "bad.csv"
@@ -88,6 +95,7 @@ def test_malformed_files_are_named_with_their_line(tmp_path):
 
 
 # ---- transformations ------------------------------------------------------------------------------
+
 
 def test_window_keeps_the_requests_inside_rebased(code):
     w = code.window(600.0, 1200.0)
@@ -132,10 +140,12 @@ def test_a_trace_recorded_at_ticks_spreads_each_ticks_requests_over_it(mooncake,
     starts = np.unique(mooncake.t_s)
     nxt = np.append(starts[1:], np.inf)[np.searchsorted(starts, mooncake.t_s)]
     assert (spread.t_s >= mooncake.t_s).all() and (spread.t_s < np.minimum(nxt, mooncake.t_s + 3.0)).all()
+
     # As recorded, ~10 requests land at once each tick; spread, a 100 ms window holds a few at most.
     def same_100ms(t):  # per request, the requests in its 100 ms bin
         bins = (t / 0.1).astype(int)
         return np.bincount(bins)[bins]
+
     assert np.median(same_100ms(mooncake.t_s)) >= 8 and np.percentile(same_100ms(spread.t_s), 99) <= 4
     assert np.array_equal(mooncake.spread_ticks(seed=1).t_s, spread.t_s)
     assert not np.array_equal(mooncake.spread_ticks(seed=2).t_s, spread.t_s)
@@ -151,6 +161,7 @@ def test_to_rate_integrates_to_the_request_count(code, bin_s):
 
 # ---- prompts from block ids -----------------------------------------------------------------------
 
+
 def _common_prefix(a, b) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -159,8 +170,9 @@ def _common_prefix(a, b) -> int:
 
 
 def test_requests_sharing_k_leading_blocks_share_exactly_k_blocks_of_tokens():
-    trace = RequestTrace(np.zeros(4), np.full(4, 2048), np.ones(4, dtype=int),
-                         [[1, 2, 3, 4], [1, 2, 3, 9], [7, 2, 3, 4], [1, 2, 3, 4]])
+    trace = RequestTrace(
+        np.zeros(4), np.full(4, 2048), np.ones(4, dtype=int), [[1, 2, 3, 4], [1, 2, 3, 9], [7, 2, 3, 4], [1, 2, 3, 4]]
+    )
     block = round(512 * 0.05)
     p = [prompt_token_ids(trace, i, VOCAB, 0.05) for i in range(4)]
     assert [len(x) for x in p] == [round(2048 * 0.05)] * 4 and all(VOCAB[0] <= t < VOCAB[1] for x in p for t in x)
@@ -180,13 +192,15 @@ def test_bundled_mooncake_prompts_share_their_first_block(mooncake):
 def test_token_scale_rounding_keeps_a_turn_a_prefix_of_the_next():
     # 512 x 0.0029 rounds to 1-token blocks while 2048 x 0.0029 rounds to 6 tokens: the blocks hold the
     # whole prompt, so no request-own tokens may fill the difference (they once did, breaking the prefix).
-    turns = RequestTrace(np.array([0.0, 1.0]), np.array([2048, 2560]), np.ones(2, dtype=int),
-                         [[0, 1, 2, 3], [0, 1, 2, 3, 4]])
+    turns = RequestTrace(
+        np.array([0.0, 1.0]), np.array([2048, 2560]), np.ones(2, dtype=int), [[0, 1, 2, 3], [0, 1, 2, 3, 4]]
+    )
     first, second = (prompt_token_ids(turns, i, VOCAB, 0.0029) for i in (0, 1))
-    assert second[:len(first)] == first and len(second) > len(first)
+    assert second[: len(first)] == first and len(second) > len(first)
 
 
 # ---- writing --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("suffix", [".csv", ".csv.gz", ".jsonl", ".jsonl.gz"])
 def test_written_traces_read_back_identically(tmp_path, code, suffix):
@@ -206,6 +220,7 @@ def test_prefix_blocks_read_back_from_jsonl_and_csv_refuses_them(tmp_path, moonc
 
 
 # ---- generators -----------------------------------------------------------------------------------
+
 
 def _poisson(mean_rps, duration_s, seed=0):
     return syn.diurnal(duration_s, mean_rps, peak_over_trough=1.0, seed=seed)  # a flat day: Poisson
@@ -273,9 +288,11 @@ def test_sessions_share_system_prompts_and_each_turn_extends_the_last():
     for key, turns in by_session.items():
         for a, b in zip(turns, turns[1:]):
             ha, hb = trace.hash_ids[a], trace.hash_ids[b]
-            assert hb[:len(ha)] == ha and trace.input_tokens[b] > trace.input_tokens[a] and trace.t_s[b] >= trace.t_s[a]
+            assert (
+                hb[: len(ha)] == ha and trace.input_tokens[b] > trace.input_tokens[a] and trace.t_s[b] >= trace.t_s[a]
+            )
             pa, pb = (prompt_token_ids(trace, i, VOCAB, 0.02) for i in (a, b))
-            assert pb[:len(pa)] == pa  # in tokens too, at a small token scale
+            assert pb[: len(pa)] == pa  # in tokens too, at a small token scale
         for block in trace.hash_ids[turns[-1]][prefix_blocks:]:
             assert owners.setdefault(block, key) == key  # no block after the system prompt is shared
     # Two sessions on one system prompt share exactly its tokens.
@@ -283,9 +300,15 @@ def test_sessions_share_system_prompts_and_each_turn_extends_the_last():
     assert _common_prefix(prompt_token_ids(trace, a, VOCAB), prompt_token_ids(trace, b, VOCAB)) == 1024
 
 
-@pytest.mark.parametrize("make", [lambda s: syn.on_off_bursts(900, 2.0, seed=s),
-                                  lambda s: syn.flash_crowd(900, 1.0, seed=s),
-                                  lambda s: syn.diurnal(900, 2.0, seed=s), lambda s: syn.sessions(900, 1.0, seed=s)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda s: syn.on_off_bursts(900, 2.0, seed=s),
+        lambda s: syn.flash_crowd(900, 1.0, seed=s),
+        lambda s: syn.diurnal(900, 2.0, seed=s),
+        lambda s: syn.sessions(900, 1.0, seed=s),
+    ],
+)
 def test_generators_are_seeded(make):
     _same(make(0), make(0))
     assert not np.array_equal(make(0).t_s[:20], make(1).t_s[:20])

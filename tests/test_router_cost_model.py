@@ -1,6 +1,7 @@
 """The router's cost model learned from what replicas measure (router.cost_model), with plain data:
 engine counters as a replica's engine keeps them, reports as LLMServer sends them, no Ray cluster;
 last, the capacity check (load_tests.capacity_check) on a real engine."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -111,9 +112,13 @@ def test_the_meter_reports_nothing_before_a_step_and_forgets_old_samples():
     meter.observe(stats, now_s=1.0)
     assert meter.fit() == {}
     for k in range(10):
-        stats = dataclasses.replace(stats, steps=stats.steps + 5, step_seconds=stats.step_seconds + 0.05,
-                                    tokens_computed=stats.tokens_computed + 5,
-                                    generated_tokens=stats.generated_tokens + 5)
+        stats = dataclasses.replace(
+            stats,
+            steps=stats.steps + 5,
+            step_seconds=stats.step_seconds + 0.05,
+            tokens_computed=stats.tokens_computed + 5,
+            generated_tokens=stats.generated_tokens + 5,
+        )
         meter.observe(stats, now_s=2.0 + k * 0.1)
     fit = meter.fit()
     assert fit["steps"] == 20  # the last 4 intervals of 5 steps
@@ -150,8 +155,9 @@ def test_the_capacity_check_estimates_light_then_counts_full(tmp_path):
     from load_tests import capacity_check
 
     out = tmp_path / "capacity.json"
-    result = capacity_check.main(["--model", "tiny-llama", "--seconds", "3", "--warmup-s", "1",
-                                  "--max-tokens", "16", "--out", str(out)])
+    result = capacity_check.main(
+        ["--model", "tiny-llama", "--seconds", "3", "--warmup-s", "1", "--max-tokens", "16", "--out", str(out)]
+    )
     assert json.loads(out.read_text()) == result
     assert result["light_rps"] > 0 and result["full_rps"] > 0 and result["capacity_estimate_rps"] > 0
     assert 60 < result["prompt_tokens_computed"] < 90 and 12 < result["tokens_generated"] <= 17

@@ -1,6 +1,7 @@
 """What LLMRouter knows of each request (router.ledger, router.index) from its decision to its answer,
 with fake replicas (no Ray cluster): pending prefix claims, Serve's confirmations and retries, the
 bounds, answers, and replicas that go away."""
+
 from __future__ import annotations
 
 import time
@@ -236,8 +237,11 @@ def test_a_replica_that_goes_away_leaves_nothing_behind(serving, how):
         router.on_replica_actor_died(serve.id("a"))
     else:
         serve.update([reps[1]])
-    gone = lambda: ("a" not in router.ledger.replicas() | set(router.index.replicas()) | set(router._reports)
-                    and not router.ledger.inflight("a") and not router.ledger.completed("a"))
+    gone = lambda: (
+        "a" not in router.ledger.replicas() | set(router.index.replicas()) | set(router._reports)
+        and not router.ledger.inflight("a")
+        and not router.ledger.completed("a")
+    )
     assert gone() and router.ledger.num_awaiting() == 0
     serve.confirm("k-late", "a")  # Serve's confirmation, sent before it learnt of the death
     serve.complete("k-running", "a")

@@ -1,5 +1,6 @@
 """The load bound (router.load_bound): sequences that barely slow a step are not load, unless the
 replica has been taking more than its share of requests; the window that judges both."""
+
 from __future__ import annotations
 
 import time
@@ -33,8 +34,11 @@ def test_a_gpu_holder_keeps_its_conversation_while_its_share_is_fair():
     """An H100 steps 11 sequences of ~400 tokens within 10% of one: at a fleet mean of one sequence,
     a holder running 3 (above the bound's 2) keeps the turn, as long as it has not been sent more
     than its share of the recent requests; a holder that has is bound as before."""
+
     def reps(now, running):
-        return [replica("holder", now, running=running, context_tokens=running * 600)] + [replica(n, now) for n in "bcd"]
+        return [replica("holder", now, running=running, context_tokens=running * 600)] + [
+            replica(n, now) for n in "bcd"
+        ]
 
     for recent, stays in (({"holder": 2, "b": 2, "c": 1, "d": 2}, True), ({"holder": 7}, False)):
         router, now = make_router(), time.time()

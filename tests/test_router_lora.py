@@ -1,5 +1,6 @@
 """LLMRouter with LoRA adapters, fake replicas (no Ray): the adapter is the first signal, a hot adapter
 spreads, a cold one goes where loading costs least, and prefix hashes are rooted per adapter."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,10 @@ def lora_request(ids, adapter="A", request_id="r", max_tokens=64):
 
 def test_the_replica_holding_the_adapter_wins_at_even_load():
     router, now = make_router(), time.time()
-    reps = [replica(n, now, running=4, context_tokens=2000, loras={"A": CACHE_ID} if n == "c" else {"B": "B@x"})
-            for n in "abcd"]
+    reps = [
+        replica(n, now, running=4, context_tokens=2000, loras={"A": CACHE_ID} if n == "c" else {"B": "B@x"})
+        for n in "abcd"
+    ]
     ranking = router.score(reps, router.prepare(lora_request(list(range(100)))), now)
     assert ranking[0].replica == "c"
     # The base model's requests do not care who holds adapters: every replica scores the same.
@@ -49,8 +52,15 @@ def test_a_hot_adapter_spreads_when_its_holder_is_loaded_beyond_the_load_cost():
     others = [replica(n, now, running=3, context_tokens=1500) for n in "xy"]
     ranking = router.score([mild] + others, req, now)
     assert ranking[0].replica == "holder"
-    hot = replica("holder", now, running=64, waiting=30, queued_prefill_tokens=30 * 500, context_tokens=64 * 600,
-                  loras={"A": CACHE_ID})
+    hot = replica(
+        "holder",
+        now,
+        running=64,
+        waiting=30,
+        queued_prefill_tokens=30 * 500,
+        context_tokens=64 * 600,
+        loras={"A": CACHE_ID},
+    )
     ranking = router.score([hot, idle], req, now)
     assert [s.replica for s in ranking] == ["idle", "holder"]
     assert ranking[1].seconds > ranking[0].seconds  # idle's seconds include adapter_load_s
@@ -83,8 +93,9 @@ def test_a_burst_for_a_cold_adapter_follows_its_first_request_before_any_report(
     router, now = make_router(), time.time()
     serve = serving(router, [replica(n, now, age_s=0.01, running=10, context_tokens=5000) for n in "abcd"])
     first = serve.route(lora_request(list(range(64)), request_id="u0"), "k0")
-    chosen = [serve.route(lora_request(list(range(64 * i, 64 * i + 64)), request_id=f"u{i}"), f"k{i}")
-              for i in range(1, 4)]
+    chosen = [
+        serve.route(lora_request(list(range(64 * i, 64 * i + 64)), request_id=f"u{i}"), f"k{i}") for i in range(1, 4)
+    ]
     assert chosen == [first] * 3
     other = serve.route(lora_request(list(range(64)), adapter="B", request_id="v"), "kv")
     assert other != first  # another cold adapter: where nothing waits to load

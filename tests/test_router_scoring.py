@@ -1,4 +1,5 @@
 """LLMRouter's decision with fake replicas (no Ray cluster): affinity, load, staleness, bounds, bursts."""
+
 from __future__ import annotations
 
 import asyncio
@@ -87,8 +88,15 @@ def test_stale_reports_count_as_unknown_not_idle():
 
 def test_requests_routed_after_a_report_count_on_top_of_it():
     now = time.time()
-    report = Report(time_s=now - 0.5, waiting=1, running=2, queued_prefill_tokens=100, context_tokens=300,
-                    kv_blocks_free=50, kv_blocks_total=64)
+    report = Report(
+        time_s=now - 0.5,
+        waiting=1,
+        running=2,
+        queued_prefill_tokens=100,
+        context_tokens=300,
+        kv_blocks_free=50,
+        kv_blocks_total=64,
+    )
     inflight = [Routed(now - 1.0, 64, 64), Routed(now - 0.1, 80, 40)]  # the first is in the report already
     load = replica_load(report, inflight, [], block_size=BS, prefill_tokens_per_s=0)
     assert (load.queued_prefill_tokens, load.batch, load.context_tokens, load.kv_blocks_free) == (140, 4, 380, 45)
@@ -103,8 +111,15 @@ def test_a_prompt_sent_after_the_queue_ran_dry_is_not_worked_off_by_the_idle_tim
     later, when this router sent it a 2000-token prompt. Now, 0.1 s after that, 1900 tokens are left.
     Decaying everything from the report's time counted the idle 0.9 s as work done (1100 left)."""
     now = time.time()
-    report = Report(time_s=now - 1.0, waiting=1, running=0, queued_prefill_tokens=100, context_tokens=100,
-                    kv_blocks_free=500, kv_blocks_total=500)
+    report = Report(
+        time_s=now - 1.0,
+        waiting=1,
+        running=0,
+        queued_prefill_tokens=100,
+        context_tokens=100,
+        kv_blocks_free=500,
+        kv_blocks_total=500,
+    )
     load = replica_load(report, [Routed(now - 0.1, 2000, 2000)], [], block_size=BS, prefill_tokens_per_s=1000)
     now_load = fleet_loads(np.array([load_row(load)]), now, max_age_s=5, prefill_tokens_per_s=1000, own=None)
     assert now_load.queued[0] == pytest.approx(1900)
@@ -131,8 +146,13 @@ def test_a_completion_after_the_report_is_taken_out_once(serving):
     serve = serving(router, reps)
     for i in (1, 2):
         serve.route(request(list(range(i * 100, i * 100 + 80)), f"t{i}"), f"k{i}")
-    reps[0].routing_stats = {**reps[0].routing_stats, "time_s": time.time(), "running": 2, "context_tokens": 160,
-                             "request_ids": ["t1", "t2"]}
+    reps[0].routing_stats = {
+        **reps[0].routing_stats,
+        "time_s": time.time(),
+        "running": 2,
+        "context_tokens": 160,
+        "request_ids": ["t1", "t2"],
+    }
     assert router.load("a", reps[0].routing_stats).batch == 2  # both counted once, not four times
     serve.complete("k1", "a")
     # Scored as a replica that reports one running request, not two.
@@ -141,8 +161,13 @@ def test_a_completion_after_the_report_is_taken_out_once(serving):
     assert ranking[0].seconds == pytest.approx(ranking[1].seconds)
     assert router.load("a", reps[0].routing_stats).batch == 1
     assert router.load("a", reps[0].routing_stats).context_tokens == 80
-    later = {**reps[0].routing_stats, "time_s": time.time() + 0.01, "running": 1, "context_tokens": 80,
-             "request_ids": ["t2"]}
+    later = {
+        **reps[0].routing_stats,
+        "time_s": time.time() + 0.01,
+        "running": 1,
+        "context_tokens": 80,
+        "request_ids": ["t2"],
+    }
     assert router.load("a", later).batch == 1
 
 
@@ -197,8 +222,10 @@ def test_the_margin_never_queues_a_request_longer_than_recomputing_its_prefix_el
     prompt = router.prepare(request(SYSTEM + list(range(200)), max_tokens=64))
     router.index.insert("holder", blocks(SYSTEM + [1]))
     # Reports of this instant (at ~29k prompt tokens/s, a 0.1 s old queue would have drained).
-    queued = [replica("holder", now, age_s=0, waiting=1, queued_prefill_tokens=1000, context_tokens=1000),
-              replica("idle", now, age_s=0)]
+    queued = [
+        replica("holder", now, age_s=0, waiting=1, queued_prefill_tokens=1000, context_tokens=1000),
+        replica("idle", now, age_s=0),
+    ]
     scores = router.score(queued, prompt, now)
     by = {s.replica: s for s in scores}
     assert by["holder"].seconds < router.config.affinity_margin * by["idle"].seconds  # within the margin
@@ -214,8 +241,10 @@ def test_at_100_replicas_a_conversation_finds_its_holder_and_serve_gets_every_re
     and Serve gets all 100 back: the top ranks one by one, the rest as one group."""
     router, now = make_router(), time.time()
     names = [f"r{i}" for i in range(100)]
-    reps = [replica(n, now, running=8, context_tokens=8 * 600, **({"kv_blocks_free": 0} if n == "r99" else {}))
-            for n in names]
+    reps = [
+        replica(n, now, running=8, context_tokens=8 * 600, **({"kv_blocks_free": 0} if n == "r99" else {}))
+        for n in names
+    ]
     conversation = lambda i, c: SYSTEM + [i, c] * 300  # noqa: E731  (1000 tokens)
     for i, name in enumerate(names):
         for c in range(5):
@@ -238,9 +267,14 @@ def test_a_burst_spreads_before_serve_confirms_any_request():
     reps = [replica(n, now) for n in "abcd"]
 
     async def burst():
-        return [(await router.choose_replicas(reps, pending(request(list(range(i * 1000, i * 1000 + 400)), f"b{i}"),
-                                                            f"burst{i}")))[0][0].replica_id.unique_id
-                for i in range(8)]
+        return [
+            (
+                await router.choose_replicas(
+                    reps, pending(request(list(range(i * 1000, i * 1000 + 400)), f"b{i}"), f"burst{i}")
+                )
+            )[0][0].replica_id.unique_id
+            for i in range(8)
+        ]
 
     firsts = asyncio.run(burst())
     assert sorted(firsts.count(n) for n in "abcd") == [2, 2, 2, 2], firsts

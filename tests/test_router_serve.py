@@ -1,5 +1,6 @@
 """LLMRouter on real Serve, over HTTP and through handles, with 4 simulated replicas per app
 (sim:cpu-smollm2: steps of tens of milliseconds that sleep, so 8 replicas fit on 2 cores)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,10 @@ def sim_config(router_class=None) -> dict:
 
 @pytest.fixture(scope="module")
 def sim_apps(serve_cluster):
-    urls = {"default": serve_cluster.deploy("simdefault", sim_config()),
-            "llm": serve_cluster.deploy("simllm", sim_config("router:LLMRouter"))}
+    urls = {
+        "default": serve_cluster.deploy("simdefault", sim_config()),
+        "llm": serve_cluster.deploy("simllm", sim_config("router:LLMRouter")),
+    }
     yield urls
     for name in ("simdefault", "simllm"):  # 10 actors: give the memory back to later tests
         serve_cluster.delete(name)
@@ -61,8 +64,9 @@ async def chat_sessions(url: str, users: int, turns: int) -> tuple:
         messages, previous = [{"role": "system", "content": system}], None
         for t in range(turns):
             messages.append({"role": "user", "content": f"User {u}, turn {t}: " + f"tell me about topic {u}. " * 12})
-            r = await client.post(f"{url}/v1/chat/completions",
-                                  json={"messages": messages, "max_tokens": 8, "temperature": 0})
+            r = await client.post(
+                f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0}
+            )
             assert r.status_code == 200, r.text
             body = r.json()
             prompt, cached = body["usage"]["prompt_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -197,7 +201,8 @@ def test_answers_reach_the_router_of_the_handle_that_sent_the_request(sim_apps):
     handle = serve.get_deployment_handle("LLMServer", "simllm")
     prompt = list(range(900, 1000))
     out = handle.generate.remote(
-        PreparedRequest("answer-1", prompt, SamplingParams(max_tokens=40, ignore_eos=True))).result()
+        PreparedRequest("answer-1", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    ).result()
     router = feedback.request_router_of(handle)
     assert isinstance(router, LLMRouter)
     chain = cacheable_block_hashes(prompt + out.token_ids, 8, root_hash("sim:cpu-smollm2"))
@@ -313,8 +318,17 @@ def test_every_send_reaches_every_other_router_through_the_clusters_board(serve_
     waited for one would miss the run's end (1 s after the last send) and go uncounted."""
     from load_tests.exchange_micro import DRAIN_S, measure
 
-    r = measure(routers=3, processes=2, requests_per_s=20, prompt_blocks=40, answer_blocks=4,
-                answer_after_s=0.2, seconds=1.5, share_index_s=5.0, seed=0)
+    r = measure(
+        routers=3,
+        processes=2,
+        requests_per_s=20,
+        prompt_blocks=40,
+        answer_blocks=4,
+        answer_after_s=0.2,
+        seconds=1.5,
+        share_index_s=5.0,
+        seed=0,
+    )
     assert r["seconds"] + DRAIN_S < 5.0
     assert r["sends"] > 30 and r["delivered"] == r["expected_deliveries"] == 2 * r["sends"], r
     assert r["answers_delivered"] > 0, r
@@ -355,6 +369,7 @@ def test_routers_move_to_a_new_board_when_theirs_dies(serve_cluster):
             def arrived():  # sent again until it does: a push to the dying board is lost (soft state)
                 ray.get(sender.send.remote(f"q{i}"))
                 return f"q{i}" in ray.get(receiver.received.remote())
+
             wait_until(arrived, 15, f"send {i} through the board")
     finally:
         for router in (a, b):

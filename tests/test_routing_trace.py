@@ -1,5 +1,6 @@
 """The routing benchmark's workloads: the trace's infinite-cache yardstick, how busy a trace keeps a
 fleet, when chat users arrive (plain data, no Ray), and the trace requests it refuses to send."""
+
 import pytest
 
 from load_tests.routing import prefill_load, targets
@@ -16,8 +17,9 @@ def test_the_infinite_cache_serves_each_prompts_longest_earlier_prefix_of_full_b
 
 
 def window(speedup: float, token_scale: float = 1 / 64):
-    return trace_workload("mooncake_conversation", 0.0, 120.0, speedup, 1.0, token_scale, 1 / 16, 32, 1900,
-                          block_size=8)
+    return trace_workload(
+        "mooncake_conversation", 0.0, 120.0, speedup, 1.0, token_scale, 1 / 16, 32, 1900, block_size=8
+    )
 
 
 def test_a_trace_keeps_a_fleet_as_busy_as_its_uncached_tokens_against_the_presets_prefill():
@@ -38,8 +40,11 @@ def test_the_trace_workload_spreads_a_ticks_requests_unless_asked_to_send_them_a
     import numpy as np
 
     spread = np.array(window(3.0).arrivals)
-    together = np.array(trace_workload("mooncake_conversation", 0.0, 120.0, 3.0, 1.0, 1 / 64, 1 / 16, 32, 1900,
-                                       block_size=8, at_ticks=True).arrivals)
+    together = np.array(
+        trace_workload(
+            "mooncake_conversation", 0.0, 120.0, 3.0, 1.0, 1 / 64, 1 / 16, 32, 1900, block_size=8, at_ticks=True
+        ).arrivals
+    )
     assert len(np.unique(together)) <= 41 < len(together)  # 120 s of 3 s ticks, all of a tick's at once
     assert len(np.unique(spread)) == len(spread)
 
@@ -54,8 +59,14 @@ def test_chat_users_who_think_arrive_spread_and_a_closed_loop_sends_everyone_at_
 
 def test_balance_is_a_target_only_where_each_replica_has_requests_in_flight():
     def run(per_replica):
-        return {"failed": 0, "cached_share": 0.9, "ttft_ms_p90": 50.0, "inflight_max_over_mean": 2.8,
-                "inflight_per_replica": per_replica}
+        return {
+            "failed": 0,
+            "cached_share": 0.9,
+            "ttft_ms_p90": 50.0,
+            "inflight_max_over_mean": 2.8,
+            "inflight_per_replica": per_replica,
+        }
+
     loaded = dict(targets("skew", {"llm-router": run(4.0), "serve-default": run(4.0)}))
     assert loaded["max/mean in-flight <= 1.5"] is False
     light = dict(targets("skew", {"llm-router": run(0.3), "serve-default": run(0.3)}))

@@ -1,6 +1,7 @@
 """Penalties, logit_bias and min_tokens without Ray: the sampler's processed logits equal transformers'
 own logits processors (and OpenAI's formula for presence/frequency), rows that ask for nothing are
 untouched, and the engine's greedy output equals HF generate with the same settings."""
+
 from __future__ import annotations
 
 import random
@@ -9,8 +10,11 @@ from collections import Counter
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
-                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 
 from batcher import EngineConfig, LLMEngine, SamplingParams
 from batcher.errors import InvalidRequestError
@@ -23,8 +27,12 @@ EOS = [7, 9]  # an engine may have several EOS ids: all are masked by min_tokens
 
 
 def seq(i: int, prompt, output, **params) -> Sequence:
-    return Sequence(f"r{i}", list(prompt), SamplingParams(max_tokens=64, temperature=0, **params),
-                    token_ids=list(prompt) + list(output))
+    return Sequence(
+        f"r{i}",
+        list(prompt),
+        SamplingParams(max_tokens=64, temperature=0, **params),
+        token_ids=list(prompt) + list(output),
+    )
 
 
 def history(rng: random.Random):
@@ -73,8 +81,9 @@ def test_each_processing_equals_transformers_processor(seed):
             seq(len(cases), prompt, output, repetition_penalty=rng.choice([0.5, 1.3, 2.0])),
             seq(len(cases) + 1, prompt, output, frequency_penalty=rng.uniform(-2, 2)),
             seq(len(cases) + 2, prompt, output, presence_penalty=rng.uniform(-2, 2)),
-            seq(len(cases) + 3, prompt, output,
-                logit_bias={rng.randrange(V): rng.uniform(-100, 100) for _ in range(5)}),
+            seq(
+                len(cases) + 3, prompt, output, logit_bias={rng.randrange(V): rng.uniform(-100, 100) for _ in range(5)}
+            ),
             seq(len(cases) + 4, prompt, output, min_tokens=rng.randrange(1, 25), stop_token_ids=[3, 11]),
         ]
     logits = random_logits(len(cases), seed)
@@ -89,10 +98,18 @@ def test_a_mixed_batch_leaves_plain_rows_exactly_as_today(seed):
     cases = []
     for i in range(12):
         prompt, output = history(rng)
-        asks = {} if i % 3 == 0 else dict(
-            repetition_penalty=rng.choice([1.0, 0.7, 1.5]), frequency_penalty=rng.choice([0.0, 1.0, -0.5]),
-            presence_penalty=rng.choice([0.0, 2.0]), logit_bias=rng.choice([{}, {rng.randrange(V): 50.0}]),
-            min_tokens=rng.choice([0, 30]), ignore_eos=rng.choice([False, True]))
+        asks = (
+            {}
+            if i % 3 == 0
+            else dict(
+                repetition_penalty=rng.choice([1.0, 0.7, 1.5]),
+                frequency_penalty=rng.choice([0.0, 1.0, -0.5]),
+                presence_penalty=rng.choice([0.0, 2.0]),
+                logit_bias=rng.choice([{}, {rng.randrange(V): 50.0}]),
+                min_tokens=rng.choice([0, 30]),
+                ignore_eos=rng.choice([False, True]),
+            )
+        )
         cases.append(seq(i, prompt, output, **asks))
     logits = random_logits(len(cases), seed + 100)
     raw = logits.clone()
@@ -120,10 +137,11 @@ def test_a_batch_asking_nothing_builds_nothing():
 def test_logprobs_are_of_the_raw_logits_and_sampling_uses_the_processed():
     logits = random_logits(3, 1)
     target = int(logits[0].argmin())
-    cases = [seq(0, [1], [], logit_bias={target: 100.0}, logprobs=2),
-             Sequence("r1", [1], SamplingParams(temperature=1.0, seed=3, logit_bias={target: 100.0})),
-             Sequence("r2", [1], SamplingParams(temperature=1.0, seed=3, min_tokens=2,
-                                               logit_bias={e: 100.0 for e in EOS}))]
+    cases = [
+        seq(0, [1], [], logit_bias={target: 100.0}, logprobs=2),
+        Sequence("r1", [1], SamplingParams(temperature=1.0, seed=3, logit_bias={target: 100.0})),
+        Sequence("r2", [1], SamplingParams(temperature=1.0, seed=3, min_tokens=2, logit_bias={e: 100.0 for e in EOS})),
+    ]
     tokens, logprobs = Sampler(0, EOS).sample(logits, cases)
     assert tokens[:2] == [target, target]
     assert tokens[2] not in EOS  # masked, biased or not
@@ -132,13 +150,20 @@ def test_logprobs_are_of_the_raw_logits_and_sampling_uses_the_processed():
     assert list(logprobs[0].top_logprobs) == torch.topk(logits[0], 2).indices.tolist()
 
 
-@pytest.mark.parametrize("fields,field", [
-    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.01}, "frequency_penalty"),
-    ({"presence_penalty": float("nan")}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty"), ({"logit_bias": {"1": 100.5}}, "logit_bias"),
-    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"min_tokens": -1}, "min_tokens"),
-    ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {"1": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
+    ],
+)
 def test_out_of_range_values_fail_validation_naming_the_field(fields, field):
     with pytest.raises(ValidationError) as info:
         SamplingParams(**fields)
@@ -159,10 +184,15 @@ TINY = "tiny-llama"
 
 def hf_generate(name, prompt_ids, max_new_tokens, **kwargs):
     model, _ = reference_model(name)
-    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                         **{"eos_token_id": None, **kwargs})
-    return out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        **{"eos_token_id": None, **kwargs},
+    )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -170,14 +200,19 @@ def tiny_engine():
     return LLMEngine(EngineConfig(model=TINY, dtype="float32"))
 
 
-@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 8, "num_kv_blocks": 40, "block_size": 4,
-                                                "watermark": 0.0}], ids=["ample", "chunked-and-preempted"])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [{}, {"max_num_batched_tokens": 8, "num_kv_blocks": 40, "block_size": 4, "watermark": 0.0}],
+    ids=["ample", "chunked-and-preempted"],
+)
 def test_greedy_with_repetition_penalty_equals_hf_generate(engine_kwargs):
     prompts = mixed_prompts(TINY)
-    penalties = [0.5, 1.0, 1.3, 2.0, 0.8, 1.0, 1.6][:len(prompts)]
+    penalties = [0.5, 1.0, 1.3, 2.0, 0.8, 1.0, 1.6][: len(prompts)]
     engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", **engine_kwargs))
-    outs = engine.generate(prompts, [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=r)
-                                     for r in penalties])
+    outs = engine.generate(
+        prompts,
+        [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=r) for r in penalties],
+    )
     expected = [hf_generate(TINY, p, 20, repetition_penalty=r) for p, r in zip(prompts, penalties)]
     assert [o.token_ids for o in outs] == expected
     plain = [hf_greedy(TINY, p, 20) for p in prompts]
@@ -193,8 +228,9 @@ def test_smollm2_greedy_with_repetition_penalty_equals_hf_generate():
     name = "smollm2-135m-instruct"
     prompt = mixed_prompts(name, n_random=0)[1]
     engine = LLMEngine(EngineConfig(model=name, dtype="float32", num_threads=2, kv_cache_memory_gib=0.25))
-    [out] = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                                     repetition_penalty=1.3))
+    [out] = engine.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3)
+    )
     assert out.token_ids == hf_generate(name, prompt, 24, repetition_penalty=1.3)
     assert out.token_ids != hf_greedy(name, prompt, 24)
 
@@ -203,13 +239,15 @@ def test_min_tokens_equals_hf_min_new_tokens(tiny_engine):
     prompt = mixed_prompts(TINY)[0]
     plain = tiny_engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].token_ids
     stop = [plain[0], plain[3]]  # the greedy next token, and one that comes early
-    early = tiny_engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
-                                                          stop_token_ids=stop))[0]
+    early = tiny_engine.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=stop)
+    )[0]
     assert early.token_ids == plain[:1] and early.finish_reason == "stop"
-    [out] = tiny_engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
-                                                          stop_token_ids=stop, min_tokens=6))
+    [out] = tiny_engine.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=stop, min_tokens=6)
+    )
     expected = hf_generate(TINY, prompt, 20, min_new_tokens=6, eos_token_id=stop)
-    assert out.token_ids == expected[:len(out.token_ids)] and len(out.token_ids) >= 6
+    assert out.token_ids == expected[: len(out.token_ids)] and len(out.token_ids) >= 6
     assert not set(out.token_ids[:6]) & set(stop)
     if out.finish_reason == "stop":
         assert out.token_ids[-1] in stop and out.token_ids == expected  # HF stopped at the same token
@@ -218,8 +256,9 @@ def test_min_tokens_equals_hf_min_new_tokens(tiny_engine):
 def test_min_tokens_delays_eos(tiny_engine):
     forced = {e: 100.0 for e in tiny_engine.eos_token_ids}  # every EOS id is the argmax at every step
     [now] = tiny_engine.generate(["Hello there"], SamplingParams(max_tokens=10, temperature=0, logit_bias=forced))
-    [later] = tiny_engine.generate(["Hello there"], SamplingParams(max_tokens=10, temperature=0, logit_bias=forced,
-                                                                   min_tokens=4))
+    [later] = tiny_engine.generate(
+        ["Hello there"], SamplingParams(max_tokens=10, temperature=0, logit_bias=forced, min_tokens=4)
+    )
     assert len(now.token_ids) == 1 and now.token_ids[0] in tiny_engine.eos_token_ids and now.finish_reason == "stop"
     assert len(later.token_ids) == 5 and later.finish_reason == "stop"
     assert later.token_ids[-1] in tiny_engine.eos_token_ids
@@ -235,6 +274,7 @@ def test_engine_refuses_logit_bias_outside_the_vocabulary(tiny_engine):
 
 class _DeviceLogits(torch.Tensor):
     """Logits that record whether the sampler copied them to the host (as it must from a GPU)."""
+
     copied = False
 
     def cpu(self, *args, **kwargs):
@@ -242,8 +282,7 @@ class _DeviceLogits(torch.Tensor):
         return super().cpu(*args, **kwargs)
 
 
-@pytest.mark.parametrize("extra, copies", [({}, False), ({"logprobs": 1}, True),
-                                           ({"presence_penalty": 0.5}, True)])
+@pytest.mark.parametrize("extra, copies", [({}, False), ({"logprobs": 1}, True), ({"presence_penalty": 0.5}, True)])
 def test_plain_greedy_rows_take_the_argmax_where_the_logits_are(extra, copies):
     """A batch of plain greedy rows copies token ids, not (rows x vocab) logits; a row asking for
     logprobs or a penalty brings the logits to the host. Tokens are the processed argmax either way."""

@@ -1,4 +1,5 @@
 """Scheduler without a model: a fake step appends token 0 for every sequence that samples."""
+
 from batcher.block_manager import BlockManager
 from batcher.sampling_params import SamplingParams
 from batcher.scheduler import Scheduler

@@ -1,4 +1,5 @@
 """Every error class of the HTTP API: status code and OpenAI's error body."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,16 +22,19 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/v1/{path}", json=body, timeout=60)
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
-    ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
-    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("completions", {"prompt": "hi", "max_token": 5}, "max_token"),  # typo: refused, named
-    ("completions", {"max_tokens": 5}, "prompt"),
-    ("chat/completions", {"messages": []}, "messages"),
-    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+        ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+        ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("completions", {"prompt": "hi", "max_token": 5}, "max_token"),  # typo: refused, named
+        ("completions", {"max_tokens": 5}, "prompt"),
+        ("chat/completions", {"messages": []}, "messages"),
+        ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99}, "top_logprobs"),
+    ],
+)
 def test_validation_is_400_naming_the_field(tiny_app, path, body, param):
     r = _post(tiny_app, path, body)
     assert r.status_code == 400
@@ -45,8 +49,9 @@ def test_unsupported_option_is_400(tiny_app):
 
 
 def test_malformed_json_is_400(tiny_app):
-    r = httpx.post(f"{tiny_app}/v1/completions", content=b"{not json", timeout=60,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{tiny_app}/v1/completions", content=b"{not json", timeout=60, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and _error(r)["type"] == "invalid_request_error"
 
 

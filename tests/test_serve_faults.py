@@ -4,6 +4,7 @@ The apps run simulated replicas (`sim:cpu-smollm2`: the real engine and Serve pl
 sleeping steps), so streams stay open for seconds without using the cores. Each test deploys its own
 app on the session cluster and deletes it at the end.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,11 @@ RECOVERY_S = 120.0  # a new replica answers after a kill or a failed health chec
 
 
 def sim_config(**replica) -> dict:
-    return {"engine": {"model": SIM, "max_num_seqs": 16, "num_kv_blocks": 2048},
-            "replica": {"num_replicas": 1, **replica}, "stream": {"interval_ms": 10}}
+    return {
+        "engine": {"model": SIM, "max_num_seqs": 16, "num_kv_blocks": 2048},
+        "replica": {"num_replicas": 1, **replica},
+        "stream": {"interval_ms": 10},
+    }
 
 
 @pytest.fixture
@@ -69,7 +73,7 @@ async def read_stream(client: httpx.AsyncClient, url: str, body: dict, s: Stream
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     s.done = True
                     continue
@@ -170,10 +174,12 @@ def test_redeploy_with_open_streams_completes_every_accepted_request(fault_app):
     streamed = [a for a in answers if isinstance(a, Stream)]
     plain = [a for a in answers if isinstance(a, httpx.Response)]
     assert len(streamed) == len(plain) >= 10
-    assert all(s.status == 200 and s.error is None and s.done and s.completion_tokens == 8 for s in streamed), \
-        [s for s in streamed if not (s.status == 200 and s.done)]
-    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8 for r in plain), \
-        [(r.status_code, r.text) for r in plain if r.status_code != 200]
+    assert all(s.status == 200 and s.error is None and s.done and s.completion_tokens == 8 for s in streamed), [
+        s for s in streamed if not (s.status == 200 and s.done)
+    ]
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8 for r in plain), [
+        (r.status_code, r.text) for r in plain if r.status_code != 200
+    ]
     new = {s.replica for s in streamed} | {r.headers["x-iterserve-replica"] for r in plain}
     assert new - {old}, "the redeploy never brought up a new replica"
     print(f"redeploy: {len(answers)} requests sent during {took:.1f} s, all answered; replicas {sorted(new)}")
@@ -181,19 +187,27 @@ def test_redeploy_with_open_streams_completes_every_accepted_request(fault_app):
 
 @pytest.mark.slow
 def test_stuck_engine_loop_fails_health_and_is_replaced(fault_app):
-    url = fault_app("fault-stall", {
-        **sim_config(health_check_period_s=1, health_check_timeout_s=5, graceful_shutdown_timeout_s=3,
-                     env_vars={TEST_HOOKS_ENV: "1"}),
-        "engine": {**sim_config()["engine"], "stall_timeout_s": 2},
-    })
+    url = fault_app(
+        "fault-stall",
+        {
+            **sim_config(
+                health_check_period_s=1,
+                health_check_timeout_s=5,
+                graceful_shutdown_timeout_s=3,
+                env_vars={TEST_HOOKS_ENV: "1"},
+            ),
+            "engine": {**sim_config()["engine"], "stall_timeout_s": 2},
+        },
+    )
     handle = serve.get_deployment_handle("LLMServer", "fault-stall")
     old = handle.stats.remote().result()["replica_id"]
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
             s = Stream()
-            task = asyncio.create_task(read_stream(client, url, {"prompt": "x", "max_tokens": 1500,
-                                                                 "ignore_eos": True}, s))
+            task = asyncio.create_task(
+                read_stream(client, url, {"prompt": "x", "max_tokens": 1500, "ignore_eos": True}, s)
+            )
             await asyncio.wait_for(s.first.wait(), 60)
             assert s.replica == old and s.error is None
             stalled = time.monotonic()
@@ -205,8 +219,10 @@ def test_stuck_engine_loop_fails_health_and_is_replaced(fault_app):
 
     recovered, ended = asyncio.run(main())
     assert handle.stats.remote().result()["replica_id"] != old
-    print(f"stuck loop: a new replica answered {recovered:.1f} s after the stall; the stalled stream ended "
-          f"after {ended:.1f} s")
+    print(
+        f"stuck loop: a new replica answered {recovered:.1f} s after the stall; the stalled stream ended "
+        f"after {ended:.1f} s"
+    )
 
 
 def test_stall_hook_is_refused_without_the_test_env(fault_app):

@@ -1,4 +1,5 @@
 """Python callers: typed requests through the app handle, from this driver and from another Ray job."""
+
 from __future__ import annotations
 
 import json
@@ -46,9 +47,22 @@ def test_second_ray_job_streams_through_the_app_handle(tiny_app):
     """examples/handle_client.py as a separate driver: ray.init(address="auto") + get_app_handle."""
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "handle_client.py"), "--app", "tiny", "--prompt", "Hi",
-         "--max-tokens", "12", "--json"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "handle_client.py"),
+            "--app",
+            "tiny",
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "12",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -56,7 +70,11 @@ def test_second_ray_job_streams_through_the_app_handle(tiny_app):
     assert summary["num_chunks"] >= 2 and summary["first_chunk_tokens"] == 1
     assert "[error]    400 context_length_exceeded" in proc.stdout
 
-    expected = serve.get_app_handle("tiny").generate.remote(
-        GenerateRequest(messages=[ChatMessage(role="user", content="Hi")], max_tokens=12, temperature=0)
-    ).result()
+    expected = (
+        serve.get_app_handle("tiny")
+        .generate.remote(
+            GenerateRequest(messages=[ChatMessage(role="user", content="Hi")], max_tokens=12, temperature=0)
+        )
+        .result()
+    )
     assert summary["text"] == expected.text

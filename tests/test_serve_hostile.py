@@ -1,6 +1,7 @@
 """Malformed and hostile requests against one tiny app on real Serve: each gets its 4xx and an error
 body naming the problem, and the app keeps serving with every KV block back. Also: the same limits
 on the Python handle (typed errors, never a hang), API keys and CORS (a second app)."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -59,23 +60,58 @@ TABLE = [
     ("prompt-id-at-vocab", "POST", COMPLETIONS, C(prompt=[49152]), {}, 400, "out of the vocabulary [0, 49152)"),
     ("prompt-huge-id", "POST", COMPLETIONS, C(prompt=[10**30]), {}, 400, "out of the vocabulary"),
     ("prompt-too-many-ids", "POST", COMPLETIONS, C(prompt=[1] * 3000), {}, 400, "max_model_len 2048"),
-    ("prompt-too-many-chars", "POST", COMPLETIONS, C(prompt="x" * (PROMPT_CHARS + 1)), {}, 400,
-     "ingress.limits.max_prompt_chars"),
+    (
+        "prompt-too-many-chars",
+        "POST",
+        COMPLETIONS,
+        C(prompt="x" * (PROMPT_CHARS + 1)),
+        {},
+        400,
+        "ingress.limits.max_prompt_chars",
+    ),
     ("prompt-too-many-tokens", "POST", COMPLETIONS, C(prompt="hello " * 2100), {}, 400, "max_model_len 2048"),
-    ("prompt-lone-surrogate", "POST", COMPLETIONS, raw('{"prompt": "\\ud800", "max_tokens": 2}'), JSON, 400,
-     "not valid Unicode"),
+    (
+        "prompt-lone-surrogate",
+        "POST",
+        COMPLETIONS,
+        raw('{"prompt": "\\ud800", "max_tokens": 2}'),
+        JSON,
+        400,
+        "not valid Unicode",
+    ),
     # max_tokens and sampling ranges
     ("max-tokens-negative", "POST", COMPLETIONS, C(max_tokens=-1), {}, 400, "max_tokens"),
     ("max-tokens-string", "POST", COMPLETIONS, C(max_tokens="ten"), {}, 400, "max_tokens"),
     ("max-tokens-float", "POST", COMPLETIONS, C(max_tokens=1.5), {}, 400, "max_tokens"),
     ("max-tokens-huge", "POST", COMPLETIONS, C(max_tokens=10**20), {}, 400, "max_model_len 2048"),
-    ("max-tokens-past-context", "POST", COMPLETIONS, C(prompt="hello " * 10, max_tokens=2040), {}, 400,
-     "max_model_len"),
+    (
+        "max-tokens-past-context",
+        "POST",
+        COMPLETIONS,
+        C(prompt="hello " * 10, max_tokens=2040),
+        {},
+        400,
+        "max_model_len",
+    ),
     ("temperature-nan", "POST", COMPLETIONS, raw('{"prompt": "hi", "temperature": NaN}'), JSON, 400, "temperature"),
-    ("temperature-infinity", "POST", COMPLETIONS, raw('{"prompt": "hi", "temperature": Infinity}'), JSON, 400,
-     "finite number"),
-    ("temperature-minus-infinity", "POST", COMPLETIONS, raw('{"prompt": "hi", "temperature": -Infinity}'), JSON,
-     400, "temperature"),
+    (
+        "temperature-infinity",
+        "POST",
+        COMPLETIONS,
+        raw('{"prompt": "hi", "temperature": Infinity}'),
+        JSON,
+        400,
+        "finite number",
+    ),
+    (
+        "temperature-minus-infinity",
+        "POST",
+        COMPLETIONS,
+        raw('{"prompt": "hi", "temperature": -Infinity}'),
+        JSON,
+        400,
+        "temperature",
+    ),
     ("temperature-too-high", "POST", COMPLETIONS, C(temperature=101), {}, 400, "temperature"),
     ("temperature-string", "POST", COMPLETIONS, C(temperature="hot"), {}, 400, "temperature"),
     ("top-p-nan", "POST", COMPLETIONS, raw('{"prompt": "hi", "top_p": NaN}'), JSON, 400, "top_p"),
@@ -86,18 +122,53 @@ TABLE = [
     ("seed-below-int64", "POST", COMPLETIONS, C(seed=-(2**63) - 1), {}, 400, "64-bit"),
     ("seed-string", "POST", COMPLETIONS, C(seed="abc"), {}, 400, "seed"),
     ("seed-float", "POST", COMPLETIONS, C(seed=1.5), {}, 400, "seed"),
-    ("presence-penalty-nan", "POST", COMPLETIONS, raw('{"prompt": "hi", "presence_penalty": NaN}'), JSON, 400,
-     "presence_penalty"),
-    ("logit-bias-past-vocab", "POST", COMPLETIONS, C(logit_bias={"49152": 100}), {}, 400,
-     "logit_bias: token id 49152 is out of the vocabulary [0, 49152)"),
-    ("logit-bias-too-many", "POST", CHAT, CH(logit_bias={str(t): 1 for t in range(301)}), {}, 400,
-     "ingress.limits.max_logit_bias = 300"),
+    (
+        "presence-penalty-nan",
+        "POST",
+        COMPLETIONS,
+        raw('{"prompt": "hi", "presence_penalty": NaN}'),
+        JSON,
+        400,
+        "presence_penalty",
+    ),
+    (
+        "logit-bias-past-vocab",
+        "POST",
+        COMPLETIONS,
+        C(logit_bias={"49152": 100}),
+        {},
+        400,
+        "logit_bias: token id 49152 is out of the vocabulary [0, 49152)",
+    ),
+    (
+        "logit-bias-too-many",
+        "POST",
+        CHAT,
+        CH(logit_bias={str(t): 1 for t in range(301)}),
+        {},
+        400,
+        "ingress.limits.max_logit_bias = 300",
+    ),
     ("logit-bias-too-large", "POST", COMPLETIONS, C(logit_bias={"1": 101}), {}, 400, "logit_bias"),
-    ("logit-bias-infinity", "POST", COMPLETIONS, raw('{"prompt": "hi", "logit_bias": {"1": Infinity}}'), JSON,
-     400, "logit_bias"),
+    (
+        "logit-bias-infinity",
+        "POST",
+        COMPLETIONS,
+        raw('{"prompt": "hi", "logit_bias": {"1": Infinity}}'),
+        JSON,
+        400,
+        "logit_bias",
+    ),
     # stop strings, logprobs, user
-    ("stop-too-many", "POST", COMPLETIONS, C(stop=[f"s{i}" for i in range(17)]), {}, 400,
-     "ingress.limits.max_stop = 16"),
+    (
+        "stop-too-many",
+        "POST",
+        COMPLETIONS,
+        C(stop=[f"s{i}" for i in range(17)]),
+        {},
+        400,
+        "ingress.limits.max_stop = 16",
+    ),
     ("stop-thousand", "POST", CHAT, CH(stop=["x"] * 1000), {}, 400, "ingress.limits.max_stop"),
     ("stop-too-long", "POST", COMPLETIONS, C(stop="x" * 300), {}, 400, "ingress.limits.max_stop_chars = 256"),
     ("stop-empty-string", "POST", COMPLETIONS, C(stop=[""]), {}, 400, "must not be empty"),
@@ -118,8 +189,15 @@ TABLE = [
     ("unknown-field", "POST", COMPLETIONS, C(foo=1), {}, 400, "foo"),
     ("unknown-field-huge-name", "POST", COMPLETIONS, C(**{"f" * 5000: 1}), {}, 400, "(5000 characters)"),
     ("stream-not-bool", "POST", COMPLETIONS, C(stream="maybe"), {}, 400, "stream"),
-    ("stream-options-unknown", "POST", COMPLETIONS, C(stream=True, stream_options={"bogus": 1}), {}, 400,
-     "stream_options.bogus"),
+    (
+        "stream-options-unknown",
+        "POST",
+        COMPLETIONS,
+        C(stream=True, stream_options={"bogus": 1}),
+        {},
+        400,
+        "stream_options.bogus",
+    ),
     ("stream-stop-too-many", "POST", COMPLETIONS, C(stream=True, stop=["x"] * 17), {}, 400, "max_stop"),
     # model names: only the served name, never a path
     ("model-path-traversal", "POST", COMPLETIONS, C(model="../../etc/passwd"), {}, 404, "does not exist"),
@@ -135,17 +213,44 @@ TABLE = [
     ("message-unknown-role", "POST", CHAT, CH(messages=[{"role": "wizard", "content": "hi"}]), {}, 400, "role"),
     ("message-no-role", "POST", CHAT, CH(messages=[{"content": "hi"}]), {}, 400, "role"),
     ("message-content-int", "POST", CHAT, CH(messages=[{"role": "user", "content": 5}]), {}, 400, "content"),
-    ("message-image-part", "POST", CHAT,
-     CH(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]),
-     {}, 400, "content"),
+    (
+        "message-image-part",
+        "POST",
+        CHAT,
+        CH(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]),
+        {},
+        400,
+        "content",
+    ),
     ("messages-too-many", "POST", CHAT, CH(messages=HI * 1025), {}, 400, "ingress.limits.max_messages = 1024"),
-    ("message-parts-too-many", "POST", CHAT, CH(messages=[{"role": "user", "content": [{"text": "a"}] * 1025}]),
-     {}, 400, "max_messages"),
-    ("messages-too-many-chars", "POST", CHAT, CH(messages=[{"role": "user", "content": "x" * 40_000}] * 2), {}, 400,
-     "ingress.limits.max_prompt_chars"),
+    (
+        "message-parts-too-many",
+        "POST",
+        CHAT,
+        CH(messages=[{"role": "user", "content": [{"text": "a"}] * 1025}]),
+        {},
+        400,
+        "max_messages",
+    ),
+    (
+        "messages-too-many-chars",
+        "POST",
+        CHAT,
+        CH(messages=[{"role": "user", "content": "x" * 40_000}] * 2),
+        {},
+        400,
+        "ingress.limits.max_prompt_chars",
+    ),
     ("max-completion-tokens-zero", "POST", CHAT, CH(max_completion_tokens=0), {}, 400, "max_completion_tokens"),
-    ("chat-temperature-infinity", "POST", CHAT, raw(json.dumps(CH())[:-1] + ', "temperature": Infinity}'), JSON, 400,
-     "temperature"),
+    (
+        "chat-temperature-infinity",
+        "POST",
+        CHAT,
+        raw(json.dumps(CH())[:-1] + ', "temperature": Infinity}'),
+        JSON,
+        400,
+        "temperature",
+    ),
     # bodies: broken, not JSON, not UTF-8, too large
     ("json-broken", "POST", COMPLETIONS, raw('{"prompt": "hi"'), JSON, 400, "invalid JSON"),
     ("json-garbage", "POST", COMPLETIONS, raw("{not json"), JSON, 400, "invalid JSON"),
@@ -153,11 +258,25 @@ TABLE = [
     ("json-array", "POST", COMPLETIONS, raw("[1, 2]"), JSON, 400, "dictionary"),
     ("json-string", "POST", CHAT, raw('"hello"'), JSON, 400, "dictionary"),
     ("json-invalid-utf8", "POST", COMPLETIONS, b'{"prompt": "\xff\xfe"}', JSON, 400, "UnicodeDecodeError"),
-    ("content-type-text", "POST", COMPLETIONS, raw(json.dumps(C())), {"content-type": "text/plain"}, 400,
-     "must be JSON sent with Content-Type: application/json (got 'text/plain')"),
+    (
+        "content-type-text",
+        "POST",
+        COMPLETIONS,
+        raw(json.dumps(C())),
+        {"content-type": "text/plain"},
+        400,
+        "must be JSON sent with Content-Type: application/json (got 'text/plain')",
+    ),
     ("content-type-missing", "POST", COMPLETIONS, raw(json.dumps(C())), {"content-type": ""}, 400, "got 'none'"),
-    ("body-too-large", "POST", COMPLETIONS, C(prompt="x" * BODY_BYTES), {}, 413,
-     f"ingress.limits.max_body_bytes = {BODY_BYTES}"),
+    (
+        "body-too-large",
+        "POST",
+        COMPLETIONS,
+        C(prompt="x" * BODY_BYTES),
+        {},
+        413,
+        f"ingress.limits.max_body_bytes = {BODY_BYTES}",
+    ),
     ("body-too-large-chunked", "POST", CHAT, iter([b" " * 65536] * 16), JSON, 413, "more than"),
     # methods and paths
     ("get-completions", "GET", COMPLETIONS, None, {}, 405, "Method Not Allowed"),
@@ -186,10 +305,12 @@ def client():
         yield c
 
 
-@pytest.mark.parametrize("method,path,body,headers,status,needle", [row[1:] for row in TABLE],
-                         ids=[row[0] for row in TABLE])
-def test_hostile_request_gets_its_status_and_a_named_error(app_url, client, method, path, body, headers, status,
-                                                           needle):
+@pytest.mark.parametrize(
+    "method,path,body,headers,status,needle", [row[1:] for row in TABLE], ids=[row[0] for row in TABLE]
+)
+def test_hostile_request_gets_its_status_and_a_named_error(
+    app_url, client, method, path, body, headers, status, needle
+):
     r = _send(client, app_url, method, path, body, headers)
     assert r.status_code == status, r.text[:500]
     err = _error(r)
@@ -202,8 +323,10 @@ def test_a_declared_64mb_body_is_refused_before_it_is_sent(app_url):
     server waiting for the body would answer nothing, and recv would time out)."""
     parts = urlsplit(app_url)
     with socket.create_connection((parts.hostname, parts.port), timeout=60) as s:
-        s.sendall(f"POST {parts.path}{COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {64 * 2**20}\r\n\r\n".encode())
+        s.sendall(
+            f"POST {parts.path}{COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {64 * 2**20}\r\n\r\n".encode()
+        )
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
             data = s.recv(65536)
@@ -249,6 +372,7 @@ def test_hostile_handle_calls_raise_typed_errors(app_url, request_, needle):
 
     def first_chunk():
         return next(iter(handle.options(stream=True).stream.remote(request_)))
+
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         with pytest.raises(APIError) as info:
             pool.submit(first_chunk).result(timeout=30)
@@ -256,8 +380,11 @@ def test_hostile_handle_calls_raise_typed_errors(app_url, request_, needle):
 
 
 def test_handle_still_serves_a_typed_request(app_url):
-    out = serve.get_app_handle(APP).generate.remote(
-        GenerateRequest(prompt="Hello", max_tokens=4, ignore_eos=True)).result(timeout_s=60)
+    out = (
+        serve.get_app_handle(APP)
+        .generate.remote(GenerateRequest(prompt="Hello", max_tokens=4, ignore_eos=True))
+        .result(timeout_s=60)
+    )
     assert out.completion_tokens == 4
 
 
@@ -278,14 +405,17 @@ def secured_url(serve_cluster, tmp_path_factory) -> str:
     serve_cluster.delete("secured")
 
 
-@pytest.mark.parametrize("headers,ok", [
-    ({"Authorization": f"Bearer {KEYS[0]}"}, True),
-    ({"Authorization": f"Bearer {KEYS[1]}"}, True),
-    ({}, False),
-    ({"Authorization": "Bearer sk-wrong"}, False),
-    ({"Authorization": f"Basic {KEYS[0]}"}, False),
-    ({"Authorization": f"Bearer {KEYS[0]}x"}, False),
-])
+@pytest.mark.parametrize(
+    "headers,ok",
+    [
+        ({"Authorization": f"Bearer {KEYS[0]}"}, True),
+        ({"Authorization": f"Bearer {KEYS[1]}"}, True),
+        ({}, False),
+        ({"Authorization": "Bearer sk-wrong"}, False),
+        ({"Authorization": f"Basic {KEYS[0]}"}, False),
+        ({"Authorization": f"Bearer {KEYS[0]}x"}, False),
+    ],
+)
 def test_api_key_required_on_v1(secured_url, client, headers, ok):
     r = client.post(secured_url + COMPLETIONS, json=C(), headers=headers)
     if ok:
@@ -314,8 +444,11 @@ def test_no_cors_headers_by_default(app_url, client):
 
 
 def test_cors_for_the_configured_origin(secured_url, client):
-    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     r = client.options(secured_url + CHAT, headers=preflight)  # preflight: no key needed
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
     assert "POST" in r.headers["access-control-allow-methods"]

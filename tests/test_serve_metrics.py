@@ -4,6 +4,7 @@ one JSON log line per request read from its Serve log file.
 A dedicated app (one tiny-llama replica, a 24-block KV cache) gets a known workload, so the scraped
 counters must equal what the clients were told and what the engine counted, exactly.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -40,14 +41,24 @@ def obs(serve_cluster):
 
 
 def _chat(client, **extra):
-    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": SECRET_PROMPT}],
-            "max_tokens": 5, "temperature": 0, "ignore_eos": True, **extra}
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": SECRET_PROMPT}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
     return client.post("/v1/chat/completions", json=body)
 
 
 def _stream(client, max_tokens: int):
-    body = {"prompt": f"{SECRET_PROMPT}, again and again", "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": f"{SECRET_PROMPT}, again and again",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -61,7 +72,9 @@ def _run_workload(client) -> dict:
         r = _chat(client)
         assert r.status_code == 200, r.text
         b = r.json()
-        seen["ok"].append((b["id"], False, b["usage"], r.headers["X-Iterserve-Replica"], b["choices"][0]["message"]["content"]))
+        seen["ok"].append(
+            (b["id"], False, b["usage"], r.headers["X-Iterserve-Replica"], b["choices"][0]["message"]["content"])
+        )
         seen["timing"][b["id"]] = r.headers["Server-Timing"]
     r = client.post("/v1/completions", json={"prompt": "One token only", "max_tokens": 1, "ignore_eos": True})
     assert r.status_code == 200, r.text
@@ -78,8 +91,12 @@ def _run_workload(client) -> dict:
         seen["errors"].append((r.status_code, r.json()["error"]["type"]))
     r = client.post("/v1/completions", json={"prompt": "x" * 80_000})  # over the body limit: 413 before parsing
     seen["errors"].append((r.status_code, r.json()["error"]["type"]))
-    assert seen["errors"] == [(404, "invalid_request_error"), (400, "invalid_request_error"),
-                              (400, "invalid_request_error"), (413, "invalid_request_error")]
+    assert seen["errors"] == [
+        (404, "invalid_request_error"),
+        (400, "invalid_request_error"),
+        (400, "invalid_request_error"),
+        (413, "invalid_request_error"),
+    ]
     seen["replicas"] = {ok[3] for ok in seen["ok"]}
     return seen
 
@@ -87,8 +104,12 @@ def _run_workload(client) -> dict:
 def _scrape(port: int) -> list:
     """(name, labels, value) of every iterserve sample of app APP on the node's metrics endpoint."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name.startswith("ray_iterserve_") and s.labels.get("application") == APP]
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("ray_iterserve_") and s.labels.get("application") == APP
+    ]
 
 
 def _total(samples, name, **labels) -> float:
@@ -154,7 +175,7 @@ def _request_lines(app: str) -> list:
     lines = []
     for path in glob.glob(os.path.join(logs, "serve", f"replica_{app}_OpenAIIngress_*.log")):
         with open(path) as f:
-            lines += [json.loads(line[line.index('{"event"'):]) for line in f if '"event":"iterserve_request"' in line]
+            lines += [json.loads(line[line.index('{"event"') :]) for line in f if '"event":"iterserve_request"' in line]
     return lines
 
 
@@ -176,7 +197,9 @@ def test_one_log_line_per_request_without_text(obs):
         # Server-Timing (ms) tells the same clocks: the replica's TTFT and the prompt's preparing sit
         # within the ingress's TTFT (streams; whole answers have no ttft part).
         timing = {k: float(v) for k, _, v in (p.strip().partition(";dur=") for p in obs["timing"][rid].split(","))}
-        assert set(timing) == ({"prepare", "replica-ttft", "ttft", "from-replica"} if stream else {"prepare", "replica-ttft"})
+        assert set(timing) == (
+            {"prepare", "replica-ttft", "ttft", "from-replica"} if stream else {"prepare", "replica-ttft"}
+        )
         assert timing["prepare"] == pytest.approx(line["prepare_s"] * 1000, abs=0.1) and timing["prepare"] > 0
         assert timing["replica-ttft"] == pytest.approx(line["replica_ttft_s"] * 1000, abs=0.1)
         assert 0 < line["replica_ttft_s"] < line["e2e_s"]
@@ -186,8 +209,9 @@ def test_one_log_line_per_request_without_text(obs):
             # The first chunk's way back from the replica is part of the routing and hops.
             assert 0 <= timing["from-replica"] < timing["ttft"] - timing["prepare"] - timing["replica-ttft"]
             assert timing["from-replica"] == pytest.approx(line["from_replica_s"] * 1000, abs=0.1)
-    failed = sorted((line["status_code"], line["error_type"]) for line in lines if line["request_id"] not in
-                    {o[0] for o in ok})
+    failed = sorted(
+        (line["status_code"], line["error_type"]) for line in lines if line["request_id"] not in {o[0] for o in ok}
+    )
     # unknown model, n=0, too long
     assert failed == [(400, "invalid_request_error"), (400, "invalid_request_error"), (404, "invalid_request_error")]
     assert any(line["cached_tokens"] > 0 for line in lines)  # the repeated chat hit the prefix cache

@@ -1,4 +1,5 @@
 """The official openai client against the running app (real Ray cluster, real Serve, HTTP)."""
+
 from __future__ import annotations
 
 import openai
@@ -56,8 +57,9 @@ def test_chat_greedy_equals_offline_engine(smol, offline):
 
 def test_chat_streaming_equals_offline_engine(smol, offline):
     expected = offline(offline.chat_prompt(QUESTION), 24)
-    stream = smol.chat.completions.create(model=SMOL, messages=QUESTION, max_tokens=24, temperature=0,
-                                          stream=True, stream_options={"include_usage": True})
+    stream = smol.chat.completions.create(
+        model=SMOL, messages=QUESTION, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -79,8 +81,9 @@ def test_completion_greedy_equals_offline_engine(smol, offline):
 
 
 def test_completion_logprobs_and_ignore_eos(tiny):
-    out = tiny.completions.create(model=TINY, prompt="Hello", max_tokens=6, temperature=0, logprobs=3,
-                                  extra_body={"ignore_eos": True})
+    out = tiny.completions.create(
+        model=TINY, prompt="Hello", max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert all(len(top) <= 3 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
@@ -89,8 +92,9 @@ def test_completion_logprobs_and_ignore_eos(tiny):
 
 
 def test_chat_logprobs(tiny):
-    out = tiny.chat.completions.create(model=TINY, messages=QUESTION, max_tokens=4, temperature=0,
-                                       logprobs=True, top_logprobs=2)
+    out = tiny.chat.completions.create(
+        model=TINY, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for t in content)
@@ -100,19 +104,36 @@ def test_chat_logprobs(tiny):
 
 def test_seed_makes_sampling_reproducible(tiny):
     def sample(seed):
-        return tiny.completions.create(model=TINY, prompt="Once upon a time", max_tokens=12, temperature=1.0,
-                                       top_p=0.9, seed=seed, extra_body={"top_k": 50}).choices[0].text
+        return (
+            tiny.completions.create(
+                model=TINY,
+                prompt="Once upon a time",
+                max_tokens=12,
+                temperature=1.0,
+                top_p=0.9,
+                seed=seed,
+                extra_body={"top_k": 50},
+            )
+            .choices[0]
+            .text
+        )
 
     assert sample(7) == sample(7) != sample(8)  # the seed, not a silently greedy decode, fixes the text
 
 
 def test_stop_string_ends_the_answer(tiny):
-    full = tiny.completions.create(model=TINY, prompt="Hello", max_tokens=12, temperature=0,
-                                   extra_body={"ignore_eos": True}).choices[0].text
+    full = (
+        tiny.completions.create(
+            model=TINY, prompt="Hello", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = full[3:6]
     assert stop.strip(), f"need a non-blank stop string from {full!r}"
-    out = tiny.completions.create(model=TINY, prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
-                                  extra_body={"ignore_eos": True})
+    out = tiny.completions.create(
+        model=TINY, prompt="Hello", max_tokens=12, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].finish_reason == "stop"
     assert stop not in out.choices[0].text and full.startswith(out.choices[0].text)
 

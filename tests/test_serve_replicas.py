@@ -1,4 +1,5 @@
 """Two replicas share the traffic; a client that disconnects mid-stream gets its KV blocks back."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,10 +32,15 @@ def test_two_replicas_both_serve_traffic(tiny_app):
 
     async def burst():
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(
-                client.post(f"{tiny_app}/v1/completions",
-                            json={"prompt": f"request {i}", "max_tokens": 64, "ignore_eos": True})
-                for i in range(16)))
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{tiny_app}/v1/completions",
+                        json={"prompt": f"request {i}", "max_tokens": 64, "ignore_eos": True},
+                    )
+                    for i in range(16)
+                )
+            )
 
     responses = asyncio.run(burst())
     assert all(r.status_code == 200 for r in responses)

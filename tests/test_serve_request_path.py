@@ -1,5 +1,6 @@
 """One request path: the ingress prepares every request once (template, tokens, limits); replicas
 take only that prepared form; `cache_salt` keeps tenants' prefix caches apart end to end."""
+
 from __future__ import annotations
 
 import httpx
@@ -24,8 +25,12 @@ def smol(smol_app):
 def _cached(client, salt, question="Name a colour."):
     extra = {"cache_salt": salt} if salt is not None else None
     out = client.chat.completions.create(
-        model=SMOL, max_tokens=2, temperature=0, extra_body=extra,
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+        model=SMOL,
+        max_tokens=2,
+        temperature=0,
+        extra_body=extra,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    )
     return out.usage.prompt_tokens_details.cached_tokens
 
 
@@ -40,8 +45,7 @@ def test_a_cache_salt_shares_blocks_only_within_its_tenant(smol):
 
 
 def test_an_empty_cache_salt_is_a_400_naming_it(smol_app):
-    r = httpx.post(f"{smol_app}/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": ""},
-                   timeout=60)
+    r = httpx.post(f"{smol_app}/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": ""}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
@@ -53,13 +57,15 @@ def test_the_replica_takes_only_prepared_requests(smol_app):
         with pytest.raises(APIError) as info:
             llm.generate.remote(raw).result(timeout_s=60)
         assert info.value.status_code == 400 and "PreparedRequest" in str(info.value)
-    prepared = PreparedRequest(request_id="direct-1", prompt_token_ids=[1, 2, 3, 4],
-                               params=SamplingParams(max_tokens=3, ignore_eos=True))
+    prepared = PreparedRequest(
+        request_id="direct-1", prompt_token_ids=[1, 2, 3, 4], params=SamplingParams(max_tokens=3, ignore_eos=True)
+    )
     out = llm.generate.remote(prepared).result(timeout_s=60)
     assert out.completion_tokens == 3 and out.request_id == "direct-1"
     with pytest.raises(APIError) as info:  # ids are still checked where they are used
-        llm.generate.remote(PreparedRequest(request_id="direct-2", prompt_token_ids=[10**9],
-                                            params=SamplingParams(max_tokens=1))).result(timeout_s=60)
+        llm.generate.remote(
+            PreparedRequest(request_id="direct-2", prompt_token_ids=[10**9], params=SamplingParams(max_tokens=1))
+        ).result(timeout_s=60)
     assert info.value.status_code == 400
 
 

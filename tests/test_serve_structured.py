@@ -2,6 +2,7 @@
 LangChain's structured output and tool binding (streaming too), raw HTTP for vLLM's
 `structured_outputs`, and Python handles; bad constraints are 400s naming the field, and the
 server keeps serving. Real Ray, real Serve, the embedded model."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,25 @@ from ray import serve
 from conftest import SMOL
 from deployments.protocol import GenerateRequest
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 
 
@@ -44,23 +57,47 @@ def client(smol_app):
 
 def test_openai_parse_returns_the_pydantic_object(client):
     completion = client.chat.completions.parse(
-        model=SMOL, messages=[{"role": "user", "content": "Describe Paris as JSON."}], response_format=City,
-        temperature=0, max_tokens=120)
+        model=SMOL,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=120,
+    )
     message = completion.choices[0].message
     assert completion.choices[0].finish_reason == "stop", message.content
     assert isinstance(message.parsed, City) and message.parsed.name
 
 
 def test_json_object_and_vllm_structured_outputs_over_http(smol_app, client):
-    out = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "A JSON object, please."}],
-                                         response_format={"type": "json_object"}, temperature=0, max_tokens=60)
+    out = client.chat.completions.create(
+        model=SMOL,
+        messages=[{"role": "user", "content": "A JSON object, please."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=60,
+    )
     assert out.choices[0].message.content.startswith("{")
-    r = httpx.post(f"{smol_app}/v1/completions", timeout=120, json={
-        "prompt": "The date today is", "max_tokens": 20, "temperature": 0,
-        "structured_outputs": {"regex": r" [0-9]{4}-[0-9]{2}-[0-9]{2}"}})
+    r = httpx.post(
+        f"{smol_app}/v1/completions",
+        timeout=120,
+        json={
+            "prompt": "The date today is",
+            "max_tokens": 20,
+            "temperature": 0,
+            "structured_outputs": {"regex": r" [0-9]{4}-[0-9]{2}-[0-9]{2}"},
+        },
+    )
     assert r.status_code == 200 and re.fullmatch(r" [0-9]{4}-[0-9]{2}-[0-9]{2}", r.json()["choices"][0]["text"])
-    stream = client.chat.completions.create(model=SMOL, messages=ASK, temperature=1.0, seed=7, n=3, stream=True,
-                                            max_tokens=10, extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}})
+    stream = client.chat.completions.create(
+        model=SMOL,
+        messages=ASK,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        stream=True,
+        max_tokens=10,
+        extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}},
+    )
     texts = {}
     for chunk in stream:
         for c in chunk.choices:
@@ -70,25 +107,48 @@ def test_json_object_and_vllm_structured_outputs_over_http(smol_app, client):
 
 def test_python_handles_take_structured_outputs(smol_app):
     handle = serve.get_app_handle("smol")
-    request = GenerateRequest(prompt="Yes or no?", max_tokens=5, temperature=0,
-                              structured_outputs={"choice": ["yes", "no"]})
+    request = GenerateRequest(
+        prompt="Yes or no?", max_tokens=5, temperature=0, structured_outputs={"choice": ["yes", "no"]}
+    )
     assert handle.generate.remote(request).result().text in ("yes", "no")
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "frob"}}}}},
-     "structured_outputs", "frob"),
-    ({"structured_outputs": {"grammar": 'start ::= "a"'}}, "structured_outputs", "root"),
-    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, None, "exactly one"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": {
-        "type": "object", "properties": {"a": json.loads('{"type": "array", "items": ' * 40 + '{}' + '}' * 40)}}}}},
-     "structured_outputs", "max_schema_depth"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, "not in tools"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None, "constrains"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (
+            {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "frob"}}}}},
+            "structured_outputs",
+            "frob",
+        ),
+        ({"structured_outputs": {"grammar": 'start ::= "a"'}}, "structured_outputs", "root"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, None, "exactly one"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "deep",
+                        "schema": {
+                            "type": "object",
+                            "properties": {"a": json.loads('{"type": "array", "items": ' * 40 + "{}" + "}" * 40)},
+                        },
+                    },
+                }
+            },
+            "structured_outputs",
+            "max_schema_depth",
+        ),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, "not in tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            None,
+            "constrains",
+        ),
+    ],
+)
 def test_bad_constraints_are_400s_naming_the_problem(smol_app, body, param, words):
-    r = httpx.post(f"{smol_app}/v1/chat/completions", timeout=120,
-                   json={"messages": ASK, "max_tokens": 5, **body})
+    r = httpx.post(f"{smol_app}/v1/chat/completions", timeout=120, json={"messages": ASK, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert words in error["message"]
@@ -99,8 +159,9 @@ def test_bad_constraints_are_400s_naming_the_problem(smol_app, body, param, word
 
 
 def test_required_and_named_tool_calls_always_parse(client):
-    out = client.chat.completions.create(model=SMOL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                         temperature=0, max_tokens=80)
+    out = client.chat.completions.create(
+        model=SMOL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=80
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     call = choice.message.tool_calls[0]
@@ -108,8 +169,14 @@ def test_required_and_named_tool_calls_always_parse(client):
     schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), schema)
 
-    named = dict(model=SMOL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=60,
-                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named = dict(
+        model=SMOL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        temperature=0,
+        max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     whole = client.chat.completions.create(**named).choices[0].message.tool_calls[0]
     jsonschema.validate(json.loads(whole.function.arguments), WEATHER["function"]["parameters"])
     pieces, names, finish = [], set(), None
@@ -125,9 +192,19 @@ def test_required_and_named_tool_calls_always_parse(client):
 
 def test_tool_results_go_back_through_the_template(client):
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
     out = client.chat.completions.create(model=SMOL, messages=history, tools=[WEATHER], temperature=0, max_tokens=30)
     choice = out.choices[0]
     # auto: the embedded model answers in words here (or calls again: then the calls parse)
@@ -140,8 +217,15 @@ def test_tool_results_go_back_through_the_template(client):
 def test_langchain_structured_output_and_tool_binding(smol_app):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=f"{smol_app}/v1", api_key="unused", model=SMOL, temperature=0, max_tokens=120,
-                     max_retries=0, timeout=120)
+    llm = ChatOpenAI(
+        base_url=f"{smol_app}/v1",
+        api_key="unused",
+        model=SMOL,
+        temperature=0,
+        max_tokens=120,
+        max_retries=0,
+        timeout=120,
+    )
     city = llm.with_structured_output(City).invoke("Describe Rome as JSON.")
     assert isinstance(city, City) and city.name
 

@@ -1,5 +1,6 @@
 """The graceful shutdown window: sized from the model's context length, decided in one place (the
 engine and the deploy read the same value from the model's config), and kept by the ingress too."""
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
@@ -15,9 +16,18 @@ def windowed_model(tmp_path_factory):
     """A local Mistral-family model whose sliding window (256) is shorter than its positions (4096)."""
     path = tmp_path_factory.mktemp("windowed")
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                           sliding_window=256, bos_token_id=1, eos_token_id=2)
+    config = MistralConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        sliding_window=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     load_tokenizer("smollm2-135m-instruct").save_pretrained(path)
     return str(path)
@@ -27,8 +37,9 @@ def test_the_deploy_sizes_the_shutdown_window_from_the_engines_context_length(wi
     engine = LLMEngine(EngineConfig(model=windowed_model, num_kv_blocks=64))
     assert engine.max_model_len == 256
     assert model_len(EngineConfig(model=windowed_model)) == 256
-    options = llm_deployment_options(load_config({"engine": {"model": windowed_model},
-                                                  "replica": {"shutdown_token_s": 1.0}}))
+    options = llm_deployment_options(
+        load_config({"engine": {"model": windowed_model}, "replica": {"shutdown_token_s": 1.0}})
+    )
     assert options["graceful_shutdown_timeout_s"] == 256 + 2 * 2  # 256 tokens at 1 s, plus two checks
 
 
@@ -48,8 +59,12 @@ def test_graceful_window_sized_from_max_model_len():
 def test_ingress_waits_as_long_as_the_llm_replicas():
     """A redeploy replaces the ingress too; it relays the streams, so it keeps the LLM's window and
     its checks (Serve's default, 20 s, would cut longer streams)."""
-    ingress = build_app({"engine": {"model": "sim:cpu-smollm2"},
-                         "replica": {"graceful_shutdown_timeout_s": 90, "graceful_shutdown_wait_loop_s": 3}})
+    ingress = build_app(
+        {
+            "engine": {"model": "sim:cpu-smollm2"},
+            "replica": {"graceful_shutdown_timeout_s": 90, "graceful_shutdown_wait_loop_s": 3},
+        }
+    )
     llm = ingress._bound_deployment.init_args[0]._bound_deployment
     for d in (ingress._bound_deployment, llm):
         assert d._deployment_config.graceful_shutdown_timeout_s == 90

@@ -1,5 +1,6 @@
 """The simulator check (cluster.sim_check) without Ray: the comparison, the start-up measured from
 replica states, the policy record, and the simulator defects it found (cluster.fleet_sim). Seconds."""
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,16 @@ def test_recorded_app_keeps_serves_settings_and_the_policys_kwargs(tmp_path):
 def test_simulated_replay_takes_the_traces_arrivals_exactly(tmp_path):
     trace = sim_check.check_trace()
     record = tmp_path / "sim.jsonl"
-    run = sim_check.simulate(trace, app_config(4), startup_s=15.0, prompt_tokens=22, max_tokens=32, slo_s=1.0,
-                             end_s=trace.duration_s + 30, record_to=str(record))
+    run = sim_check.simulate(
+        trace,
+        app_config(4),
+        startup_s=15.0,
+        prompt_tokens=22,
+        max_tokens=32,
+        slo_s=1.0,
+        end_s=trace.duration_s + 30,
+        record_to=str(record),
+    )
     assert run.requests == len(trace)
     assert run.running.min() >= 1 and run.running.max() <= 4 and len(run.t) == len(run.seen["demand"])
     rows = [json.loads(line) for line in record.read_text().splitlines()]
@@ -70,11 +79,24 @@ def test_serves_default_is_checked_with_serves_settings(tmp_path):
     app["autoscaling"] = sim_check.serve_default_scaling(app, 4)
     wrapped = AppConfig(**sim_check.recorded(app, str(tmp_path / "r.jsonl"))).autoscaling.to_serve()
     assert wrapped["policy"]["policy_kwargs"]["inner"].endswith(":replica_queue_length_autoscaling_policy")
-    assert (wrapped["target_ongoing_requests"], wrapped["metrics_interval_s"], wrapped["look_back_period_s"],
-            wrapped["upscale_delay_s"], wrapped["downscale_delay_s"]) == (3.0, 10.0, 30.0, 30.0, 600.0)
+    assert (
+        wrapped["target_ongoing_requests"],
+        wrapped["metrics_interval_s"],
+        wrapped["look_back_period_s"],
+        wrapped["upscale_delay_s"],
+        wrapped["downscale_delay_s"],
+    ) == (3.0, 10.0, 30.0, 30.0, 600.0)
     trace = sim_check.check_trace()
-    run = sim_check.simulate(trace, app, startup_s=10.0, prompt_tokens=22, max_tokens=32, slo_s=1.0,
-                             end_s=trace.duration_s + 30, record_to=str(tmp_path / "sim.jsonl"))
+    run = sim_check.simulate(
+        trace,
+        app,
+        startup_s=10.0,
+        prompt_tokens=22,
+        max_tokens=32,
+        slo_s=1.0,
+        end_s=trace.duration_s + 30,
+        record_to=str(tmp_path / "sim.jsonl"),
+    )
     first = int(np.argmax(run.seen["queued"] > 0))  # the first burst's queue, as the policy saw it
     asked = int(np.argmax(run.asked > 1))
     assert run.requests == len(trace) and first > 0
@@ -96,8 +118,9 @@ def test_the_handles_requests_are_averaged_as_rays_controller_does():
         queued, running = rng.integers(0, 9, 6).astype(float), rng.integers(0, 5, 6).astype(float)
         queued[:lull] = running[:lull] = 0.0
         now = times[-1] + 4.0
-        ray = merge_and_aggregate_arrays(np.concatenate([times, times]), np.concatenate([queued, running]),
-                                         np.array([0, 6, 12]), now)
+        ray = merge_and_aggregate_arrays(
+            np.concatenate([times, times]), np.concatenate([queued, running]), np.array([0, 6, 12]), now
+        )
         assert serve_mean(times, queued + running, now) == pytest.approx(ray), lull
     burst = np.array([0, 0, 0, 0, 20.0, 20.0])
     assert serve_mean(times, burst, times[-1]) == 20.0 and np.mean(burst) < 7
@@ -132,8 +155,14 @@ def test_a_new_replica_reports_its_own_load_not_an_average_over_before_it_ran():
             seen["new"] = ctx.aggregated_metrics["running"][ctx.running_replicas[-1]]
         return 2, {}
 
-    config = AutoscalingConfig(min_replicas=1, max_replicas=2, look_back_period_s=30.0, metrics_interval_s=0.5,
-                               upscale_delay_s=0.0, downscale_delay_s=0.0)
+    config = AutoscalingConfig(
+        min_replicas=1,
+        max_replicas=2,
+        look_back_period_s=30.0,
+        metrics_interval_s=0.5,
+        upscale_delay_s=0.0,
+        downscale_delay_s=0.0,
+    )
     FleetSim(trace, work, startup_s=10.0, dt_s=0.1, control_period_s=0.1).run(Policy("p", policy, config))
     assert seen["new"] >= 0.7 * work.max_num_seqs
 
@@ -144,7 +173,8 @@ def test_measured_startups_are_replayed_one_per_replica():
     work = SimWorkload("cpu-smollm2", max_num_seqs=4, prompt_tokens=22, output_tokens=32)
     trace = Trace(np.array([0.0, 30.0]), np.array([0.0, 0.0]))
     res = FleetSim(trace, work, startup_s=99.0, dt_s=0.5, startups_s=[5.0, 10.0]).run(
-        schedule=lambda t: 1 if t < 1.0 else 4, initial=1)
+        schedule=lambda t: 1 if t < 1.0 else 4, initial=1
+    )
     ready = dict(zip(res.t, res.ready))
     # Asked at t=1: the first new replica runs at 6, the second at 11, the third (cycling) at 6.
     assert ready[5.0] == 1 and ready[6.0] == 3 and ready[10.0] == 3 and ready[11.0] == 4
@@ -165,19 +195,33 @@ def test_requests_in_the_system_reach_zero_after_a_burst():
         seen.append((ctx.current_time, ctx.total_num_requests))
         return 1, {}
 
-    config = AutoscalingConfig(min_replicas=1, max_replicas=1, look_back_period_s=5.0, metrics_interval_s=0.5,
-                               upscale_delay_s=0.0, downscale_delay_s=0.0)
-    FleetSim(Trace(np.array([0.0, 60.0]), np.zeros(2)), work, startup_s=10.0, dt_s=0.1, control_period_s=0.5,
-             arrivals_s=arrivals).run(Policy("p", policy, config))
+    config = AutoscalingConfig(
+        min_replicas=1,
+        max_replicas=1,
+        look_back_period_s=5.0,
+        metrics_interval_s=0.5,
+        upscale_delay_s=0.0,
+        downscale_delay_s=0.0,
+    )
+    FleetSim(
+        Trace(np.array([0.0, 60.0]), np.zeros(2)),
+        work,
+        startup_s=10.0,
+        dt_s=0.1,
+        control_period_s=0.5,
+        arrivals_s=arrivals,
+    ).run(Policy("p", policy, config))
     late = [d for t, d in seen if t >= 45.0]
     assert max(d for _, d in seen) > 4 and late and max(late) == 0.0
 
 
 def test_replica_speed_is_measured_from_requests_that_ran_in_a_full_replica():
-    reqs = [{"ok": True, "ttft_s": 0.1, "latency_s": 1.0},  # did not queue: a part-full batch, not used
-            {"ok": True, "ttft_s": 3.0, "latency_s": 3.0 + 31 * 0.072},
-            {"ok": True, "ttft_s": 5.0, "latency_s": 5.0 + 31 * 0.074},
-            {"ok": False, "ttft_s": 4.0, "latency_s": None}]
+    reqs = [
+        {"ok": True, "ttft_s": 0.1, "latency_s": 1.0},  # did not queue: a part-full batch, not used
+        {"ok": True, "ttft_s": 3.0, "latency_s": 3.0 + 31 * 0.072},
+        {"ok": True, "ttft_s": 5.0, "latency_s": 5.0 + 31 * 0.074},
+        {"ok": False, "ttft_s": 4.0, "latency_s": None},
+    ]
     step = burst.full_step_s(reqs, slo_s=1.0, max_tokens=32)
     assert step == pytest.approx(0.073)
     app = app_config(4)  # sim:cpu-smollm2, 4 sequences
@@ -185,17 +229,24 @@ def test_replica_speed_is_measured_from_requests_that_ran_in_a_full_replica():
     assert sim_check.step_scale_for(app, step, 22, 32) == pytest.approx(0.073 / model)
     assert sim_check.step_scale_for(app, None, 22, 32) == 1.0
     slower = SimWorkload("cpu-smollm2", 4, prompt_tokens=22, output_tokens=32, step_scale=1.1)
-    assert slower.throughput_rps(4) < SimWorkload("cpu-smollm2", 4, prompt_tokens=22, output_tokens=32).throughput_rps(4)
+    assert slower.throughput_rps(4) < SimWorkload("cpu-smollm2", 4, prompt_tokens=22, output_tokens=32).throughput_rps(
+        4
+    )
 
 
 def _prefill_bound(rps: float):
     """One h100-llama3-8b replica of 128 slots fed azure_code-like requests (2048-token prompts,
     28-token answers): one prompt fills a step's 2048-token budget, so it prefills at most
     1 / (fixed + 2048 x prefill cost per token) = 14 requests/s, whatever its slots."""
-    work = SimWorkload("h100-llama3-8b", max_num_seqs=128, max_num_batched_tokens=2048, prompt_tokens=2048,
-                       output_tokens=28)
+    work = SimWorkload(
+        "h100-llama3-8b", max_num_seqs=128, max_num_batched_tokens=2048, prompt_tokens=2048, output_tokens=28
+    )
     step = PRESETS["h100-llama3-8b"].step
-    prefill_rps = work.max_num_batched_tokens / work.prompt_tokens / (step.fixed_s + work.max_num_batched_tokens * step.prefill_token_s)
+    prefill_rps = (
+        work.max_num_batched_tokens
+        / work.prompt_tokens
+        / (step.fixed_s + work.max_num_batched_tokens * step.prefill_token_s)
+    )
     return work, Trace(np.array([0.0, 60.0]), np.array([rps, rps])), prefill_rps
 
 
@@ -223,12 +274,25 @@ def test_prompts_queued_in_a_replica_are_reported_waiting():
 
     def policy(ctx):
         r = ctx.running_replicas[0]
-        seen.append((ctx.current_time, ctx.aggregated_metrics["waiting"][r], ctx.aggregated_metrics["running"][r],
-                     ctx.total_queued_requests, ctx.total_num_requests))
+        seen.append(
+            (
+                ctx.current_time,
+                ctx.aggregated_metrics["waiting"][r],
+                ctx.aggregated_metrics["running"][r],
+                ctx.total_queued_requests,
+                ctx.total_num_requests,
+            )
+        )
         return 1, {}
 
-    config = AutoscalingConfig(min_replicas=1, max_replicas=1, look_back_period_s=5.0, metrics_interval_s=1.0,
-                               upscale_delay_s=0.0, downscale_delay_s=0.0)
+    config = AutoscalingConfig(
+        min_replicas=1,
+        max_replicas=1,
+        look_back_period_s=5.0,
+        metrics_interval_s=1.0,
+        upscale_delay_s=0.0,
+        downscale_delay_s=0.0,
+    )
     FleetSim(trace, work, startup_s=10.0, dt_s=0.25, seed=2).run(Policy("p", policy, config))
     late = [s for s in seen if s[0] >= 40.0]
     assert late and all(waiting > 0.5 * work.max_num_seqs and queued > 0 for _, waiting, _, queued, _ in late)

@@ -1,4 +1,5 @@
 """Simulated replicas: the real engine with a step-time model in place of the forward."""
+
 from __future__ import annotations
 
 import time

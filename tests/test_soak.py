@@ -1,4 +1,5 @@
 """The soak (load_tests/soak.py): a bounded run on real Serve, and its verdict arithmetic."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,24 @@ def test_bounded_soak_on_tiny_llama(serve_cluster, tmp_path):
     url = serve_cluster.deploy("soak", tiny_config())
     out = tmp_path / "soak.json"
     try:
-        code = soak.main(["--base-url", url, "--app", "soak", "--minutes", "0.4", "--rate", "4",
-                          "--timeout-s", "60", "--drain-s", "60", "--json", str(out)])
+        code = soak.main(
+            [
+                "--base-url",
+                url,
+                "--app",
+                "soak",
+                "--minutes",
+                "0.4",
+                "--rate",
+                "4",
+                "--timeout-s",
+                "60",
+                "--drain-s",
+                "60",
+                "--json",
+                str(out),
+            ]
+        )
     finally:
         serve_cluster.delete("soak")
     rep = json.loads(out.read_text())
@@ -43,8 +60,10 @@ def _ok(start_s: float, e2e_s: float) -> SoakRecord:
 
 def test_verdict_counts_drift_growth_and_lost():
     records = [_ok(t, 1.0) for t in range(0, 12)] + [_ok(t, 1.5) for t in range(48, 60)]
-    records += [SoakRecord(kind="bad", start_s=30, outcome="expected_4xx", status=400),
-                SoakRecord(kind="plain", start_s=31, outcome="lost", error="open after the drain")]
+    records += [
+        SoakRecord(kind="bad", start_s=30, outcome="expected_4xx", status=400),
+        SoakRecord(kind="plain", start_s=31, outcome="lost", error="open after the drain"),
+    ]
     rss = {"before": {"r": 100}, "after_warmup": {"r": 200}, "end": {"r": 230}}
     end = {"r": {"running": 0, "waiting": 0, "kv_blocks_free": 8, "kv_blocks_total": 8}}
     rep = soak.report(records, minutes=1.0, rate=1.0, wall_s=61.0, rss=rss, end_stats=end)

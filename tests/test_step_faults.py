@@ -7,6 +7,7 @@ layer has written its K/V into the paged cache), or the logits NaN (the sampler'
 refuses them), in any step whose tokens include MARKER. Over HTTP, the replica's test hook makes its
 next forward raise in the model runner.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,16 @@ from conftest import tiny_config
 from test_serve_faults import Stream, read_stream
 
 # Exact parity with a clean run: fp32, eager. max_num_seqs 2 leaves a third request queued.
-CONFIG = EngineConfig(model="tiny-llama", dtype="float32", compile="off", num_threads=1, max_model_len=512,
-                      num_kv_blocks=256, block_size=4, max_num_seqs=2)
+CONFIG = EngineConfig(
+    model="tiny-llama",
+    dtype="float32",
+    compile="off",
+    num_threads=1,
+    max_model_len=512,
+    num_kv_blocks=256,
+    block_size=4,
+    max_num_seqs=2,
+)
 MARKER = 4242  # a step whose tokens include this id fails
 A, C = [5, 6, 7, 8, 9, 10, 11], [300, 301, 302, 303, 304]
 B = [20, 21, MARKER, 22, 23, 24]
@@ -192,8 +201,9 @@ def _failed_steps_over_http(url: str) -> None:
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
             s = Stream()
-            task = asyncio.create_task(read_stream(client, url, {"prompt": "a long story", "max_tokens": 1500,
-                                                                 "ignore_eos": True}, s))
+            task = asyncio.create_task(
+                read_stream(client, url, {"prompt": "a long story", "max_tokens": 1500, "ignore_eos": True}, s)
+            )
             await asyncio.wait_for(s.first.wait(), 60)
             assert s.status == 200 and s.error is None and s.replica == replica
             await handle.fail_engine_steps_for_tests.remote(1)  # the stream's next step raises
@@ -207,8 +217,9 @@ def _failed_steps_over_http(url: str) -> None:
             error = failed.json()["error"]
             assert error["type"] == "internal_error" and "StepError" in error["message"], error
 
-            good = await client.post(f"{url}/v1/completions",
-                                     json={"prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+            good = await client.post(
+                f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 8, "ignore_eos": True}
+            )
             assert good.status_code == 200 and good.headers["x-iterserve-replica"] == replica, good.text
             assert good.json()["usage"]["completion_tokens"] == 8
 

@@ -12,6 +12,7 @@ reference):
   int32 (padded with 0).
 - Returns (T, H, D) in query's dtype.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,27 +25,63 @@ BACKENDS = ("reference", "cpu", "triton")
 
 
 @torch.library.custom_op("iterserve::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    query_start: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                    block_size: int, scale: float, backend: str) -> torch.Tensor:
-    args = (query, key, value, k_cache, v_cache, slot_mapping, query_start, context_lens,
-            block_tables, block_size, scale)
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    args = (
+        query,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        query_start,
+        context_lens,
+        block_tables,
+        block_size,
+        scale,
+    )
     if backend == "reference":
         from batcher.attention.reference import reference_paged_attention
+
         return reference_paged_attention(*args)
     if backend == "cpu":
         from batcher.attention.cpu_kernel import cpu_paged_attention
+
         return cpu_paged_attention(*args)
     if backend == "triton":
         from batcher.attention.triton_paged import triton_paged_attention
+
         return triton_paged_attention(*args)
     raise ValueError(f"unknown paged-attention backend {backend!r}; expected one of {BACKENDS}")
 
 
 @paged_attention.register_fake
-def _(query, key, value, k_cache, v_cache, slot_mapping, query_start, context_lens, block_tables,
-      block_size, scale, backend):
+def _(
+    query,
+    key,
+    value,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    query_start,
+    context_lens,
+    block_tables,
+    block_size,
+    scale,
+    backend,
+):
     return query.new_empty(query.shape)
 
 
@@ -55,6 +92,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
         if device.type == "cpu":
             try:
                 from batcher.attention import cpu_kernel
+
                 cpu_kernel.build()
                 return "cpu"
             except Exception as e:  # no compiler here: the reference is slower but runs anywhere
@@ -63,6 +101,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
         # Triton: greedy float32 tokens equal HF's on an H100, eager and under CUDA graphs (docs/forward.md).
         try:
             import triton  # noqa: F401  (CUDA builds of torch ship it)
+
             return "triton"
         except ImportError as e:
             log.warning("paged attention: triton is not importable (%s); using the reference", e)
@@ -75,5 +114,6 @@ def resolve_backend(name: str, device: torch.device) -> str:
         raise ValueError("attention_backend 'triton' needs a CUDA device (tests run it under TRITON_INTERPRET=1)")
     if name == "cpu":
         from batcher.attention import cpu_kernel
+
         cpu_kernel.build()
     return name

@@ -4,6 +4,7 @@ Slow (it copies every sequence's K/V history and syncs to read the lengths) but 
 other implementation is tested against it. Decode rows (one query) and prefill rows form separate
 groups, so a long prompt chunk does not pad every decode row to its length.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -18,8 +19,19 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def reference_paged_attention(query, key, value, k_cache, v_cache, slot_mapping, query_start,
-                              context_lens, block_tables, block_size: int, scale: float) -> torch.Tensor:
+def reference_paged_attention(
+    query,
+    key,
+    value,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    query_start,
+    context_lens,
+    block_tables,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
     write_kv(key, value, k_cache, v_cache, slot_mapping)
     out = query.new_zeros(query.shape)  # padding rows stay zero
     starts = query_start.tolist()
@@ -29,13 +41,13 @@ def reference_paged_attention(query, key, value, k_cache, v_cache, slot_mapping,
     prefill = [b for b, n in enumerate(q_lens) if n > 1]
     for seqs in (decode, prefill):
         if seqs:
-            _attend_group(out, query, k_cache, v_cache, seqs, starts, q_lens, ctx, block_tables,
-                          block_size, scale)
+            _attend_group(out, query, k_cache, v_cache, seqs, starts, q_lens, ctx, block_tables, block_size, scale)
     return out
 
 
-def _attend_group(out, query, k_cache, v_cache, seqs: List[int], starts, q_lens, ctx, block_tables,
-                  block_size: int, scale: float) -> None:
+def _attend_group(
+    out, query, k_cache, v_cache, seqs: List[int], starts, q_lens, ctx, block_tables, block_size: int, scale: float
+) -> None:
     T, H, D = query.shape
     Hkv = k_cache.shape[1]
     G = H // Hkv

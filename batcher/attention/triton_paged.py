@@ -9,6 +9,7 @@ read on the host: no sync, and the launch is the same for every step of a bucket
 Each program takes BLOCK_Q query rows of one sequence times the G query heads of one KV head
 (GQA: K/V are loaded once for G heads) and loops over key tiles up to its last row's position.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,11 +24,30 @@ BLOCK_N = 32  # keys per tile
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, context_lens_ptr, block_tables_ptr,
-    num_seqs, stride_bt, block_size, scale,
-    stride_qt, stride_qh, stride_ct, stride_ch, stride_ot, stride_oh,
-    G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    query_start_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    num_seqs,
+    stride_bt,
+    block_size,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ct,
+    stride_ch,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -55,8 +75,11 @@ def _paged_attention_kernel(
         pos = tl.where(row_ok, first_pos + row - q_start, -1)  # absolute position of each query
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < HEAD_DIM
-        q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
@@ -89,12 +112,26 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only on masked-out rows
-        tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
-def triton_paged_attention(query, key, value, k_cache, v_cache, slot_mapping, query_start, context_lens,
-                           block_tables, block_size: int, scale: float) -> torch.Tensor:
+def triton_paged_attention(
+    query,
+    key,
+    value,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    query_start,
+    context_lens,
+    block_tables,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
     k_cache.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
     query = query.contiguous()
@@ -108,11 +145,29 @@ def triton_paged_attention(query, key, value, k_cache, v_cache, slot_mapping, qu
     out = torch.zeros_like(query)  # padding rows stay zero
     grid = (T // block_q + num_seqs, Hkv)
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, query_start, context_lens, block_tables,
-        num_seqs, block_tables.stride(0), block_size, scale,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        G=G, BLOCK_Q=block_q, HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        query,
+        k_cache,
+        v_cache,
+        out,
+        query_start,
+        context_lens,
+        block_tables,
+        num_seqs,
+        block_tables.stride(0),
+        block_size,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        G=G,
+        BLOCK_Q=block_q,
+        HEAD_DIM=D,
+        D_PAD=max(16, triton.next_power_of_2(D)),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
         # Triton's interpreter (3.9) returns garbage from tl.dot on bf16 operands: upcast there.
         DOT_F32=query.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
     )
