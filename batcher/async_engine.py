@@ -16,8 +16,8 @@ from collections import defaultdict
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from batcher.config import EngineConfig
-from batcher.errors import EngineDeadError, EngineError, InvalidRequestError, StepError
 from batcher.engine_request import EngineRequest
+from batcher.errors import EngineDeadError, EngineError, InvalidRequestError, StepError
 from batcher.eviction_log import EvictedSegment
 from batcher.llm_engine import LLMEngine, Prompt
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice, merge_by_choice

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 from typing import Dict, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Dict, List, Optional, Sequence as Seq, Union
+from typing import Dict, List, Optional, Union
+from typing import Sequence as Seq
 
 import torch
 
@@ -15,10 +16,10 @@ from batcher.config import EngineConfig
 from batcher.engine_request import EngineChoice, EngineRequest
 from batcher.errors import InvalidRequestError, StepError
 from batcher.grammar import ConstrainedRows
+from batcher.lora_runtime import LoRARuntime
 from batcher.model_files import context_length, kv_block_bytes, load_tokenizer
 from batcher.model_loader import eos_token_ids, load_model, resolve_device, resolve_dtype, resolve_quantization
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice
-from batcher.lora_runtime import LoRARuntime
 from batcher.request_builder import Prompt, RequestBuilder
 from batcher.sampler import Sampler
 from batcher.sampling_params import SamplingParams

@@ -16,7 +16,6 @@ import socket
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
-
 # Ray's processes take ports all the time: the OS's picks for bind(0) (32768 and up on Linux) and
 # random ones above them, and its workers' range (10002-19999 under `ray start`). A port the OS picked
 # and released can be taken by one of them before the server binds it (CI lost every Serve test to

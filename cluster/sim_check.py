@@ -196,8 +196,8 @@ def simulate(
     `startups_s`: per-replica start-ups measured on Serve, replayed in turn (else startup_s for all)."""
     from ray.serve.config import AutoscalingConfig as ServeAutoscaling
 
-    from deployments.config import AppConfig
     from batcher.simulated import preset_for
+    from deployments.config import AppConfig
 
     cfg = AppConfig(**app)
     scaling = cfg.autoscaling.to_serve()  # what Serve's controller gets: the policy and its kwargs too

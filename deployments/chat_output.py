@@ -20,7 +20,7 @@ from deployments.openai_protocol import (
     ChatMessageOut,
     StreamUsage,
 )
-from deployments.protocol import GeneratedChoice, GenerateChunk
+from deployments.protocol import GenerateChunk, GeneratedChoice
 from deployments.tool_calls import NamedToolChoice, effective_tool_choice
 from deployments.tool_json import StreamPiece
 from deployments.tool_parsers import TOOL_CALL_PARSERS, calls_from_constrained, constrained_streamer

@@ -21,10 +21,12 @@ from starlette.middleware.cors import CORSMiddleware
 from deployments import lora_routes, metrics, request_log
 from deployments.adapters import AdapterRegistry
 from deployments.auth import APIKeyAuth, load_api_keys
+from deployments.chat_output import ChatOutput, chat_events, sse
 from deployments.config import IngressConfig
 from deployments.errors import APIError, engine_error, overload_error
 from deployments.http_errors import install_error_handlers
-from deployments.chat_output import ChatOutput, chat_events, sse
+from deployments.limits import BodySizeLimit, RequestLimits
+from deployments.lora_api import LoadLoRAAdapterRequest, LoRAAdapterResponse, UnloadLoRAAdapterRequest
 from deployments.openai_protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -38,8 +40,6 @@ from deployments.openai_protocol import (
     Usage,
     new_id,
 )
-from deployments.limits import BodySizeLimit, RequestLimits
-from deployments.lora_api import LoadLoRAAdapterRequest, LoRAAdapterResponse, UnloadLoRAAdapterRequest
 from deployments.prompts import PromptPreparer
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse, ModelInfo, PreparedRequest
 from router import feedback

@@ -193,7 +193,7 @@ def lora_throughput(
         ("4 models: base + 3 adapters, round robin", lambda i: names[i % 4]),
     ]:
 
-        def run(count=batch, tokens=new_tokens):
+        def run(count=batch, tokens=new_tokens, pick=pick):
             for i, p in enumerate(ps[:count]):
                 e.add(e.make_request(p, greedy_params(tokens), lora_name=pick(i)))
             while e.has_unfinished():

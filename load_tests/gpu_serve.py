@@ -24,8 +24,8 @@ import httpx
 import torch
 import yaml
 
-from load_tests.gpu_forward import CONFIGS, build_model_dir
 from load_tests.gpu_features import ITEM_SCHEMA, is_item, make_adapters
+from load_tests.gpu_forward import CONFIGS, build_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 

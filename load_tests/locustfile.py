@@ -20,7 +20,7 @@ import time
 from locust import HttpUser, events, task
 
 from load_tests import bench_workloads as wl
-from load_tests.bench_client import _chunk_text, _error_message, request_body, Target
+from load_tests.bench_client import Target, _chunk_text, _error_message, request_body
 
 
 @events.init_command_line_parser.add_listener

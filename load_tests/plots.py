@@ -55,7 +55,7 @@ def plot_latency(by_system: Rows, path: Path, title: str = "") -> Path:
     for i, (name, rows) in enumerate(by_system.items()):
         for ax, metric in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
             for p, style in (("p50", "-"), ("p99", "--")):
-                xs, ys = _series(rows, lambda s: s[metric][p])
+                xs, ys = _series(rows, lambda s, metric=metric, p=p: s[metric][p])
                 ax.plot(xs, ys, style, marker="o", color=colours[i % len(colours)], label=f"{name} {p}")
     for ax, metric in zip(axes, ("TTFT", "TPOT", "end-to-end latency")):
         ax.set_title(metric)

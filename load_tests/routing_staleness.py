@@ -66,7 +66,7 @@ def stale_reports(
             at, tokens, b, c = reports[k]
             known = [s for s in sends[k] if s[0] > at and (s[3] == me or s[0] <= now - known_after_s)]
             last = at
-            for sent_at, uncached, prompt, _ in known:  # Lindley's recursion, as scoring.prefill_backlog
+            for sent_at, uncached, _prompt, _ in known:  # Lindley's recursion, as scoring.prefill_backlog
                 tokens, last = max(0.0, tokens - (sent_at - last) * rate) + uncached, sent_at
             queued.append(max(0.0, tokens - (now - last) * rate))
             batch.append(b + len(known))

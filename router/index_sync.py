@@ -119,7 +119,7 @@ class IndexSync:
     async def _subscription(self, apply: Apply) -> None:
         while True:  # subscribed again when a subscription ends (SUBSCRIPTION_S) or fails
             try:
-                async for self._cursor, news, self._others in self._board.subscribe(
+                async for self._cursor, news, self._others in self._board.subscribe(  # noqa: B020
                     self.deployment, self.router_id, self._cursor, self.period_s
                 ):
                     self._take(news, apply)

@@ -35,7 +35,7 @@ def runs(trace):
 
 
 def test_every_request_is_served(runs):
-    for name, (res, s) in runs.items():
+    for name, (_res, s) in runs.items():
         assert s["unserved_at_end"] == 0 and abs(s["served"] - s["requests"]) <= 1, name
 
 

@@ -19,7 +19,6 @@ from load_tests.bench_client import BenchRequest, Target, run_load, think_times
 from load_tests.bench_metrics import percentile, summarize
 from load_tests.bench_workloads import shared_prefix_chats, variance_requests
 
-
 # ---- arrivals: statistical checks with a fixed seed ---------------------------------------------
 
 

@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import tiny_config
 
 from batcher import EngineConfig, LLMEngine, SamplingParams
 from batcher.trace import FINISHED, GENERATED, IDLE, PROMPT
-from conftest import tiny_config
 from load_tests import experiment
 from load_tests.bench_metrics import format_sweep
 from load_tests.experiment_report import saturation_rate, targets, write_report

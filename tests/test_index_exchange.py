@@ -100,7 +100,7 @@ def test_a_subscription_sends_each_push_as_it_comes_nothing_after_its_wait_and_e
 
         async def listen():
             t0 = time.monotonic()
-            async for cursor, news, others in board.subscribe("app/LLMServer", "b", 0, 0.5, lifetime_s=1.0):
+            async for _cursor, news, _others in board.subscribe("app/LLMServer", "b", 0, 0.5, lifetime_s=1.0):
                 batches.append((time.monotonic() - t0, news))
 
         listening = asyncio.create_task(listen())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from conftest import TINY, tiny_config
 
 SIM = "sim:cpu-smollm2"

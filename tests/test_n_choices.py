@@ -15,9 +15,9 @@ import json
 import httpx
 import openai
 import pytest
+from conftest import TINY
 
 from batcher import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
-from conftest import TINY
 from deployments.config import LimitsConfig
 from deployments.errors import APIError
 from deployments.limits import RequestLimits

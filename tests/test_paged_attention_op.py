@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from batcher.attention import paged_attention, resolve_backend
-from batcher.attention.reference import reference_paged_attention
 
 BLOCK = 4
 

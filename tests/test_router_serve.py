@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 import ray
+from conftest import replica_stats, wait_until
 
 from batcher.block_hash import cacheable_block_hashes, root_hash
 from batcher.sampling_params import SamplingParams
-from conftest import replica_stats, wait_until
 from deployments.protocol import PreparedRequest
 from router.config import LLMRouterConfig
 
@@ -366,7 +366,9 @@ def test_routers_move_to_a_new_board_when_theirs_dies(serve_cluster):
             if i == 1:
                 ray.kill(ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE))
 
-            def arrived():  # sent again until it does: a push to the dying board is lost (soft state)
+            def arrived(
+                i=i, sender=sender, receiver=receiver
+            ):  # sent again until it does: a push to the dying board is lost (soft state)
                 ray.get(sender.send.remote(f"q{i}"))
                 return f"q{i}" in ray.get(receiver.received.remote())
 

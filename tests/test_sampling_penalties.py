@@ -75,7 +75,7 @@ def hf_reference(row: torch.Tensor, s: Sequence) -> torch.Tensor:
 def test_each_processing_equals_transformers_processor(seed):
     rng = random.Random(seed)
     cases = []
-    for i in range(6):
+    for _ in range(6):
         prompt, output = history(rng)
         cases += [
             seq(len(cases), prompt, output, repetition_penalty=rng.choice([0.5, 1.3, 2.0])),

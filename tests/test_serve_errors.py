@@ -7,7 +7,6 @@ import asyncio
 import httpx
 import openai
 import pytest
-
 from conftest import TINY
 
 

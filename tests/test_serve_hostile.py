@@ -11,9 +11,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from conftest import tiny_config
 from ray import serve
 
-from conftest import tiny_config
 from deployments.errors import APIError
 from deployments.protocol import GenerateRequest
 

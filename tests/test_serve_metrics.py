@@ -15,9 +15,9 @@ import time
 
 import httpx
 import pytest
+from conftest import tiny_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import tiny_config
 from deployments import metrics
 
 APP = "obs"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from conftest import SMOL, SMOL_ENGINE, TINY
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -8,8 +8,8 @@ from collections import Counter
 
 import openai
 import pytest
-
 from conftest import TINY
+
 from deployments.config import LimitsConfig
 from deployments.errors import APIError
 from deployments.limits import RequestLimits

@@ -7,9 +7,8 @@ import json
 from typing import Callable
 
 import httpx
-from ray import serve
-
 from conftest import replica_stats, wait_until
+from ray import serve
 
 
 def idle(stats: dict) -> dict:

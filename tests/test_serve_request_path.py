@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from conftest import SMOL
 from ray import serve
 
 from batcher import SamplingParams
-from conftest import SMOL
 from deployments.errors import APIError
 from deployments.protocol import GenerateRequest, PreparedRequest
 

@@ -13,10 +13,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import SMOL
 from pydantic import BaseModel, Field
 from ray import serve
 
-from conftest import SMOL
 from deployments.protocol import GenerateRequest
 
 WEATHER = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import tiny_config
+
 from load_tests import soak
 from load_tests.soak_traffic import SoakRecord
 

@@ -16,7 +16,9 @@ import logging
 import httpx
 import pytest
 import torch
+from conftest import tiny_config
 from ray import serve
+from test_serve_faults import Stream, read_stream
 
 from batcher.async_engine import MAX_FAILED_STEPS_IN_A_ROW, AsyncLLMEngine
 from batcher.config import EngineConfig
@@ -24,8 +26,6 @@ from batcher.errors import EngineDeadError, StepError
 from batcher.llm_engine import LLMEngine
 from batcher.sampling_params import SamplingParams
 from deployments.llm_server import TEST_HOOKS_ENV
-from conftest import tiny_config
-from test_serve_faults import Stream, read_stream
 
 # Exact parity with a clean run: fp32, eager. max_num_seqs 2 leaves a third request queued.
 CONFIG = EngineConfig(
