@@ -139,3 +139,20 @@ def smol_app(serve_cluster) -> str:
 def overload_app(serve_cluster) -> str:
     """One replica taking one request at a time, one more queued: the third concurrent is refused."""
     return serve_cluster.deploy("overload", tiny_config(max_ongoing_requests=1, max_queued_requests=1))
+
+
+@pytest.fixture
+def serving():
+    """Makes `Serving`s (tests/router_harness.py: a router driven as Serve drives it, on an event loop
+    of its own) and closes their loops after the test."""
+    from tests.router_harness import Serving
+
+    made = []
+
+    def make(router, replicas):
+        made.append(Serving(router, replicas))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()

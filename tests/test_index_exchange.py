@@ -14,7 +14,7 @@ from router.index_exchange import ExchangeBoard, IndexExchange, pack, unpack
 from router.index_sync import ANSWER_DELAY_S, IndexSync
 from router.ledger import FOREIGN_GRACE_S
 from router.scoring import Routed
-from tests.router_harness import SYSTEM, blocks, make_router, replica, request, serving  # noqa: F401
+from tests.router_harness import SYSTEM, blocks, make_router, replica, request
 
 H = [bytes([i]) * 32 for i in range(8)]  # stand-in block hashes
 K = [routing_key(h) for h in H]  # what crosses the exchange of each
