@@ -314,10 +314,12 @@ def test_a_chat_whose_turns_alternate_between_two_routers_stays_on_its_replica(s
 def test_every_send_reaches_every_other_router_through_the_clusters_board(serve_cluster):
     """Three routers' exchanges (`IndexSync`) in two processes, on the cluster's real board actor
     (`load_tests.exchange_micro`, small): every send one pushes reaches both others through their
-    subscriptions as it is pushed, and answers too. Their empty batches come every 5 s: a send that
-    waited for one would miss the run's end (1 s after the last send) and go uncounted."""
-    from load_tests.exchange_micro import DRAIN_S, measure
+    subscriptions as it is pushed, and answers too. Their empty batches come every 30 s: a send that
+    waited for one would not arrive before the run's deadline (20 s after the last send; the run ends
+    as soon as everything arrived) and go uncounted."""
+    from load_tests.exchange_micro import measure
 
+    share_index_s, drain_s = 30.0, 20.0
     r = measure(
         routers=3,
         processes=2,
@@ -326,10 +328,11 @@ def test_every_send_reaches_every_other_router_through_the_clusters_board(serve_
         answer_blocks=4,
         answer_after_s=0.2,
         seconds=1.5,
-        share_index_s=5.0,
+        share_index_s=share_index_s,
         seed=0,
+        drain_s=drain_s,
     )
-    assert r["seconds"] + DRAIN_S < 5.0
+    assert r["seconds"] + drain_s < share_index_s
     assert r["sends"] > 30 and r["delivered"] == r["expected_deliveries"] == 2 * r["sends"], r
     assert r["answers_delivered"] > 0, r
 
