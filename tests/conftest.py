@@ -6,6 +6,7 @@ serve.run ~6 s on this machine), with the test applications deployed lazily, eac
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Callable, Optional
@@ -37,6 +38,16 @@ def wait_until(predicate: Callable[[], Optional[object]], timeout_s: float, what
     while not (got := predicate()):
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
         time.sleep(0.05)
+    return got
+
+
+async def eventually(predicate: Callable[[], Optional[object]], timeout_s: float, what: str):
+    """`wait_until` for a coroutine: polls `predicate` between sleeps that let the loop's other tasks
+    run, until it returns something truthy (returned); fails naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(0.01)
     return got
 
 

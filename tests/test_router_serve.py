@@ -263,10 +263,20 @@ class OtherCaller:
 
         out = await self.handle.generate.remote(request)
         recorded = feedback.record_answer(self.handle, request.request_id, request.prompt_token_ids, out.token_ids)
-        await asyncio.sleep(0.05)  # applied on the router's loop
         chain = cacheable_block_hashes(request.prompt_token_ids + out.token_ids, BLOCK, root_hash("sim:cpu-smollm2"))
         router = feedback.request_router_of(self.handle)
-        return recorded, router.index.matched_blocks(chain).get(out.replica_id, 0), len(chain)
+        matched = lambda: router.index.matched_blocks(chain).get(out.replica_id, 0)  # noqa: E731
+        deadline = time.monotonic() + 30
+        while matched() < kept(len(chain)) and time.monotonic() < deadline:  # applied on the router's loop
+            await asyncio.sleep(0.02)
+        return recorded, matched(), len(chain)
+
+    async def matched(self, ids: list, replica: str) -> int:
+        """How many of prompt `ids`' blocks this process's router counts as cached on `replica`."""
+        from router import feedback
+
+        chain = cacheable_block_hashes(ids, BLOCK, root_hash("sim:cpu-smollm2"))
+        return feedback.request_router_of(self.handle).index.matched_blocks(chain).get(replica, 0)
 
 
 def test_answers_recorded_in_another_process_reach_its_router(sim_apps):
@@ -286,8 +296,24 @@ def test_a_chat_whose_turns_alternate_between_two_routers_stays_on_its_replica(s
     Without it the other router has never seen the conversation: it lands there by chance, 1 in 4."""
     from ray import serve
 
+    from router import feedback
+
     handle, other = serve.get_deployment_handle("LLMServer", "simllm"), OtherCaller.remote("simllm")
     params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    async def known(ids: list, replica: str, by_other: bool) -> None:
+        """Waits until the next turn's router has the send of prompt `ids` to `replica` from the other
+        router: the user's second between turns is the usual time for it, not a bound on it."""
+        chain = cacheable_block_hashes(ids, BLOCK, root_hash("sim:cpu-smollm2"))
+        router = feedback.request_router_of(handle)
+        deadline = time.monotonic() + 30
+        while not (
+            await other.matched.remote(ids, replica)
+            if by_other
+            else on_router_loop(router, lambda: router.index.matched_blocks(chain).get(replica, 0))
+        ):
+            assert time.monotonic() < deadline, f"the other router's send of {len(ids)} tokens not shared in 30 s"
+            await asyncio.sleep(0.05)
 
     async def chat(u: int) -> list:
         ids, replicas = [3000 + 100 * u + i % 100 for i in range(240)], []  # a prompt of its own
@@ -295,8 +321,9 @@ def test_a_chat_whose_turns_alternate_between_two_routers_stays_on_its_replica(s
             request = PreparedRequest(f"alt-{u}-{t}", ids, params)
             out = await (handle.generate.remote(request) if t % 2 == 0 else other.generate.remote(request))
             replicas.append(out.replica_id)
-            ids = ids + out.token_ids + [9000 + 10 * u + t] * 40
             await asyncio.sleep(1.0)
+            await known(ids, out.replica_id, by_other=t % 2 == 0)
+            ids = ids + out.token_ids + [9000 + 10 * u + t] * 40
         return replicas
 
     async def chats():
