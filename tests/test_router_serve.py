@@ -267,7 +267,8 @@ class OtherCaller:
         router = feedback.request_router_of(self.handle)
         matched = lambda: router.index.matched_blocks(chain).get(out.replica_id, 0)  # noqa: E731
         deadline = time.monotonic() + 30
-        while matched() < kept(len(chain)) and time.monotonic() < deadline:  # applied on the router's loop
+        # Applied on the router's loop. (kept() inline: a function of this module would not unpickle in the actor.)
+        while matched() < len(chain) // STRIDE * STRIDE and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         return recorded, matched(), len(chain)
 
