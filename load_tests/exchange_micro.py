@@ -28,7 +28,7 @@ import ray
 
 from router.config import DEFAULT_INDEX_STRIDE_BLOCKS
 
-DRAIN_S = 1.0  # after the last send: time for every entry to reach every router
+DRAIN_S = 10.0  # after the last send: at most this long for every entry to reach every router
 
 
 @ray.remote(num_cpus=0)
@@ -62,6 +62,13 @@ class RouterHost:
             self.syncs.append(sync)
             self.received.append(got)
 
+    async def reset(self) -> None:
+        """Forgets what came before the run (none expected). Every host's, before any host sends: a
+        host reset after another had sent would forget that send's arrival."""
+        for got in self.received:
+            got.update(sends=0, answers=0, lag_s=[])
+        self.cpu0 = time.process_time()
+
     async def run(
         self,
         requests_per_s: float,
@@ -71,9 +78,7 @@ class RouterHost:
         seconds: float,
         seed: int,
     ) -> dict:
-        for got in self.received:  # what came before the run (none expected): not counted
-            got.update(sends=0, answers=0, lag_s=[])
-        cpu0 = time.process_time()
+        """Sends for `seconds`; returns how many (each one's answer is pushed later, on this loop)."""
         sent = await asyncio.gather(
             *(
                 self._send(
@@ -88,13 +93,15 @@ class RouterHost:
                 for i, sync in enumerate(self.syncs)
             )
         )
-        await asyncio.sleep(DRAIN_S)
+        return sum(sent)
+
+    async def received(self) -> dict:
+        """What this host's routers took in since the reset, and the CPU they used meanwhile."""
         return {
-            "sends": sum(sent),
             "received_sends": sum(g["sends"] for g in self.received),
             "received_answers": sum(g["answers"] for g in self.received),
             "lag_s": [lag for g in self.received for lag in g["lag_s"]],
-            "cpu_s": time.process_time() - cpu0,
+            "cpu_s": time.process_time() - self.cpu0,
         }
 
     @staticmethod
@@ -135,7 +142,10 @@ def measure(
     share_index_s: float,
     seed: int,
     stride: int = DEFAULT_INDEX_STRIDE_BLOCKS,
+    drain_s: float = DRAIN_S,
 ) -> dict:
+    """One run; waits after the last send until every send and answer reached every other router, or
+    `drain_s` passed (what had not arrived by then counts as lost)."""
     from router.index_exchange import board_stats
 
     deployment = f"exchange-micro/{routers}-routers-stride{stride}"
@@ -150,20 +160,30 @@ def measure(
                 break
             assert time.monotonic() < deadline, f"not every router subscribed within 30 s: {before}"
             time.sleep(0.05)
+        ray.get([h.reset.remote() for h in hosts])
         t0 = time.monotonic()
-        runs = ray.get(
-            [
-                h.run.remote(requests_per_s, prompt_blocks, answer_blocks, answer_after_s, seconds, seed + i)
-                for i, h in enumerate(hosts)
-            ]
+        sends = sum(
+            ray.get(
+                [
+                    h.run.remote(requests_per_s, prompt_blocks, answer_blocks, answer_after_s, seconds, seed + i)
+                    for i, h in enumerate(hosts)
+                ]
+            )
         )
+        deadline = time.monotonic() + drain_s
+        while True:  # every send, and then its answer, reaches each other router
+            runs = ray.get([h.received.remote() for h in hosts])
+            expected = sends * (routers - 1)
+            arrived = [sum(r[k] for r in runs) for k in ("received_sends", "received_answers")]
+            if min(arrived) >= expected or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         wall, after = time.monotonic() - t0, board_stats()
     finally:
         for h in hosts:
             ray.kill(h)
     b0, b1 = before["deployments"].get(deployment, {}), after["deployments"][deployment]
     delta = {k: b1[k] - b0.get(k, 0) for k in ("pushes", "pulls", "entries_in", "entries_out", "hashes_out")}
-    sends = sum(r["sends"] for r in runs)
     lags = sorted(lag for r in runs for lag in r["lag_s"])
     q = statistics.quantiles(lags, n=100) if len(lags) > 1 else [float("nan")] * 99
     return {

@@ -6,6 +6,7 @@ serve.run ~6 s on this machine), with the test applications deployed lazily, eac
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Callable, Optional
@@ -37,6 +38,16 @@ def wait_until(predicate: Callable[[], Optional[object]], timeout_s: float, what
     while not (got := predicate()):
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
         time.sleep(0.05)
+    return got
+
+
+async def eventually(predicate: Callable[[], Optional[object]], timeout_s: float, what: str):
+    """`wait_until` for a coroutine: polls `predicate` between sleeps that let the loop's other tasks
+    run, until it returns something truthy (returned); fails naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(0.01)
     return got
 
 
@@ -139,3 +150,20 @@ def smol_app(serve_cluster) -> str:
 def overload_app(serve_cluster) -> str:
     """One replica taking one request at a time, one more queued: the third concurrent is refused."""
     return serve_cluster.deploy("overload", tiny_config(max_ongoing_requests=1, max_queued_requests=1))
+
+
+@pytest.fixture
+def serving():
+    """Makes `Serving`s (tests/router_harness.py: a router driven as Serve drives it, on an event loop
+    of its own) and closes their loops after the test."""
+    from tests.router_harness import Serving
+
+    made = []
+
+    def make(router, replicas):
+        made.append(Serving(router, replicas))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()

@@ -1,14 +1,12 @@
 """LLMRouter as Serve drives it, without a Ray cluster: stand-ins for Serve's RunningReplica and
 PendingRequest, real PreparedRequests, and `Serving`, which calls the router's hooks in Serve's order
-on one event loop. Shared by tests/test_router_scoring.py and tests/test_router_ledger.py."""
+on one event loop (tests/conftest.py's `serving` fixture makes them). Shared by the router tests."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 from typing import List, Optional
-
-import pytest
 
 from batcher.block_hash import cacheable_block_hashes, root_hash
 from batcher.sampling_params import SamplingParams
@@ -137,16 +135,3 @@ class Serving:
             task.cancel()
         self.loop.run_until_complete(asyncio.sleep(0))
         self.loop.close()
-
-
-@pytest.fixture
-def serving():
-    made = []
-
-    def make(router, replicas) -> Serving:
-        made.append(Serving(router, replicas))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()

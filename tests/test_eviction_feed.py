@@ -11,8 +11,8 @@ from batcher.block_hash import routing_key
 from batcher.eviction_log import EvictionLog
 from router.eviction_feed import EvictionFeed
 from router.index import PrefixIndex
-from tests.router_harness import SYSTEM, blocks, make_router, replica, request, serving  # noqa: F401
-from tests.test_block_manager import random_operations
+from tests.block_ops import random_operations
+from tests.router_harness import SYSTEM, blocks, make_router, replica, request
 
 
 def joined(hashes) -> bytes:

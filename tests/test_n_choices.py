@@ -15,7 +15,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import TINY
+from conftest import TINY, eventually
 
 from batcher import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from deployments.config import LimitsConfig
@@ -160,8 +160,11 @@ def test_async_stream_interleaves_choices_and_ends_after_the_last():
             whole = await engine.generate_choices(
                 prompt, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=2, ignore_eos=True)
             )
-            await asyncio.sleep(0.1)  # the loop publishes its snapshot after the round
-            return deltas, whole, engine.stats()
+            # The loop publishes its snapshot after the round that freed the blocks, in its own thread.
+            stats = await eventually(
+                lambda: (st := engine.stats()).kv_blocks_free == st.kv_blocks_total and st, 30, "every block free"
+            )
+            return deltas, whole, stats
         finally:
             engine.shutdown()
 

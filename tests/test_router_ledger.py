@@ -13,7 +13,7 @@ from router.config import LLMRouterConfig
 from router.index import PrefixIndex
 from router.ledger import HashedRequest, RequestLedger
 from router.scoring import RoutingRequest
-from tests.router_harness import BS, MODEL, SYSTEM, blocks, make_router, replica, request, serving  # noqa: F401
+from tests.router_harness import BS, MODEL, SYSTEM, blocks, make_router, replica, request
 
 
 def hashed(ids, request_id=None) -> HashedRequest:

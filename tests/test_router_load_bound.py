@@ -7,7 +7,7 @@ import time
 
 from batcher.simulated import PRESETS
 from router.load_bound import LoadWindow, bounded_load, free_batch
-from tests.router_harness import SYSTEM, blocks, make_router, replica, request, serving  # noqa: F401
+from tests.router_harness import SYSTEM, blocks, make_router, replica, request
 
 H100, CPU = PRESETS["h100-llama3-8b"].step, PRESETS["cpu-smollm2"].step
 

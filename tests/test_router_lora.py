@@ -10,7 +10,7 @@ import numpy as np
 
 from batcher.block_hash import cacheable_block_hashes, root_hash
 from router.scoring import Report, adapter_costs
-from tests.router_harness import BS, MODEL, SYSTEM, blocks, make_router, replica, request, serving  # noqa: F401
+from tests.router_harness import BS, MODEL, SYSTEM, blocks, make_router, replica, request
 
 CACHE_ID = "A@digest1"  # what replicas holding adapter A report (batcher.block_hash.adapter_cache_id)
 

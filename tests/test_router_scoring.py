@@ -10,7 +10,7 @@ import pytest
 
 from batcher.simulated import PRESETS
 from router.scoring import ReplicaLoad, Report, Routed, fleet_loads, load_row, own_load, prefill_backlog, replica_load
-from tests.router_harness import BS, SYSTEM, blocks, make_router, pending, replica, request, serving  # noqa: F401
+from tests.router_harness import BS, SYSTEM, blocks, make_router, pending, replica, request
 
 H100 = PRESETS["h100-llama3-8b"]
 
