@@ -63,7 +63,7 @@ class AsyncLLMEngine:
     # -- the loop thread ----------------------------------------------------------------------
     def _run(self, ready: threading.Event) -> None:
         # Every torch op runs in this thread, model loading included: OpenMP keeps a thread team
-        # per calling thread, and a second team made 2-thread steps ~60% slower (measured).
+        # per calling thread, and a second team competes with the first for the same cores.
         try:
             self.engine = LLMEngine(self.config)
             self._snapshot = self.engine.snapshot()

@@ -151,7 +151,8 @@ class GenerateRequest(BaseModel):
     def _bias_in_range(cls, v: Dict[int, float]) -> Dict[int, float]:
         return check_logit_bias(v)
 
-    # The model checks in SamplingParams' order, then the request's own: the first that fails is the 400.
+    # The sampling checks first, in SamplingParams' order, then the request's own: the first that fails
+    # is the 400.
     @model_validator(mode="after")
     def _constraint_can_end(self) -> "GenerateRequest":
         check_constraint_can_end(self.structured_outputs, self.ignore_eos)
@@ -248,7 +249,7 @@ class OutputLogprob(BaseModel):
 
 
 class GeneratedChoice(BaseModel):
-    """One of a request's n outputs (SamplingParams.n)."""
+    """One of a request's n outputs (GenerateRequest.n)."""
 
     index: int = 0
     text: str
