@@ -16,12 +16,12 @@ from collections import defaultdict
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from batcher.config import EngineConfig
+from batcher.engine_input import EngineInput
 from batcher.engine_request import EngineRequest
 from batcher.errors import EngineDeadError, EngineError, InvalidRequestError, StepError
 from batcher.eviction_log import EvictedSegment
-from batcher.llm_engine import LLMEngine, Prompt
+from batcher.llm_engine import LLMEngine
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice, merge_by_choice
-from batcher.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class AsyncLLMEngine:
     # -- the loop thread ----------------------------------------------------------------------
     def _run(self, ready: threading.Event) -> None:
         # Every torch op runs in this thread, model loading included: OpenMP keeps a thread team
-        # per calling thread, and a second team made 2-thread steps ~60% slower (measured).
+        # per calling thread, and a second team competes with the first for the same cores.
         try:
             self.engine = LLMEngine(self.config)
             self._snapshot = self.engine.snapshot()
@@ -150,66 +150,33 @@ class AsyncLLMEngine:
             target[0].call_soon_threadsafe(target[1].put_nowait, error)
 
     # -- caller side --------------------------------------------------------------------------
-    async def stream(
-        self,
-        prompt: Prompt,
-        params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        lora_name: Optional[str] = None,
-        lora_path: Optional[str] = None,
-    ) -> AsyncIterator[StreamDelta]:
+    async def stream(self, inp: EngineInput) -> AsyncIterator[StreamDelta]:
         """Yields the request's deltas (with n > 1, its choices' interleaved: StreamDelta.index); tokens
         that piled up while the caller was busy come as one per choice. Leaving the loop early (or
         being cancelled) aborts the request and frees its KV blocks."""
         self.check_health()
-        request = await self._make_request(prompt, params, request_id, cache_salt, lora_name, lora_path)
+        request = await self._make_request(inp)
         async for delta in self._run_request(request):
             yield delta
 
-    async def generate(
-        self,
-        prompt: Prompt,
-        params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        lora_name: Optional[str] = None,
-        lora_path: Optional[str] = None,
-    ) -> Completion:
+    async def generate(self, inp: EngineInput) -> Completion:
         """The whole answer of a request with n = 1 (generate_choices takes any n)."""
-        if params is not None and params.n != 1:
+        if inp.params.n != 1:
             raise InvalidRequestError("generate() returns one completion: use generate_choices() for n > 1")
-        return (await self.generate_choices(prompt, params, request_id, cache_salt, lora_name, lora_path))[0]
+        return (await self.generate_choices(inp))[0]
 
-    async def generate_choices(
-        self,
-        prompt: Prompt,
-        params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        lora_name: Optional[str] = None,
-        lora_path: Optional[str] = None,
-    ) -> List[Completion]:
+    async def generate_choices(self, inp: EngineInput) -> List[Completion]:
         """The n completions of a request, by index."""
         self.check_health()
-        request = await self._make_request(prompt, params, request_id, cache_salt, lora_name, lora_path)
+        request = await self._make_request(inp)
         deltas = [d async for d in self._run_request(request)]
         return completions_by_choice(request.seq.prompt_token_ids, deltas)
 
-    async def _make_request(
-        self,
-        prompt: Prompt,
-        params: Optional[SamplingParams],
-        request_id: Optional[str],
-        cache_salt: Optional[str],
-        lora_name: Optional[str] = None,
-        lora_path: Optional[str] = None,
-    ) -> EngineRequest:
-        args = (prompt, params, request_id, cache_salt, lora_name, lora_path)
+    async def _make_request(self, inp: EngineInput) -> EngineRequest:
         # A grammar compile or an adapter read: off the event loop, other requests go on meanwhile.
-        if (params is not None and params.structured_outputs is not None) or lora_name is not None:
-            return await asyncio.to_thread(self.engine.make_request, *args)
-        return self.engine.make_request(*args)
+        if inp.params.structured_outputs is not None or inp.lora_name is not None:
+            return await asyncio.to_thread(self.engine.make_request, inp)
+        return self.engine.make_request(inp)
 
     async def load_lora(self, name: str, path: str) -> dict:
         return await asyncio.to_thread(self.engine.load_lora, name, path)

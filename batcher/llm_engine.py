@@ -13,6 +13,7 @@ import torch
 from batcher import simulated
 from batcher.block_manager import BlockManager
 from batcher.config import EngineConfig
+from batcher.engine_input import EngineInput, Prompt
 from batcher.engine_request import EngineChoice, EngineRequest
 from batcher.errors import InvalidRequestError, StepError
 from batcher.grammar import ConstrainedRows
@@ -20,7 +21,7 @@ from batcher.lora_runtime import LoRARuntime
 from batcher.model_files import context_length, kv_block_bytes, load_tokenizer
 from batcher.model_loader import eos_token_ids, load_model, resolve_device, resolve_dtype, resolve_quantization
 from batcher.outputs import Completion, EngineSnapshot, EngineStats, StreamDelta, completions_by_choice
-from batcher.request_builder import Prompt, RequestBuilder
+from batcher.request_builder import RequestBuilder
 from batcher.sampler import Sampler
 from batcher.sampling_params import SamplingParams
 from batcher.scheduler import Scheduler, SchedulerOutput
@@ -132,18 +133,10 @@ class LLMEngine:
         return min(self.max_model_len, self.kv_capacity_tokens)
 
     # -- requests -----------------------------------------------------------------------------
-    def make_request(
-        self,
-        prompt: Prompt,
-        params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        lora_name: Optional[str] = None,
-        lora_path: Optional[str] = None,
-    ) -> EngineRequest:
+    def make_request(self, inp: EngineInput) -> EngineRequest:
         """Validates, tokenizes, compiles a constraint, loads the adapter (RequestBuilder.build); any
         thread may call it."""
-        return self.builder.build(prompt, params, request_id, cache_salt, lora_name, lora_path)
+        return self.builder.build(inp)
 
     def load_lora(self, name: str, path: str) -> dict:
         """Reads, checks and holds adapter `name` (any thread); InvalidRequestError names what is wrong."""
@@ -174,10 +167,9 @@ class LLMEngine:
         self.scheduler.add(request.seq)
         self.counters.prompt_tokens += request.seq.num_prompt_tokens
 
-    def add_request(
-        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
-    ) -> str:
-        request = self.make_request(prompt, params, request_id)
+    def add_request(self, inp: EngineInput) -> str:
+        """make_request, then add: the request's id."""
+        request = self.make_request(inp)
         self.add(request)
         return request.seq.request_id
 
@@ -313,15 +305,19 @@ class LLMEngine:
     def generate(
         self, prompts: Union[Prompt, Seq[Prompt]], params: Union[None, SamplingParams, Seq[SamplingParams]] = None
     ) -> List[Completion]:
-        """Runs prompts to completion, in order; a single prompt (str or token ids) is a list of one. A
-        request with n > 1 gives n completions in a row (Completion.index 0..n-1)."""
+        """Offline: runs prompts to completion, in order, with `params` (one for all or one each; None:
+        SamplingParams' defaults); a single prompt (str or token ids) is a list of one. A request with
+        n > 1 gives n completions in a row (Completion.index 0..n-1)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        requests = [self.make_request(p, sp) for p, sp in zip(prompts, params)]
+        requests = [
+            self.make_request(EngineInput(p, sp if sp is not None else SamplingParams()))
+            for p, sp in zip(prompts, params)
+        ]
         for r in requests:
             self.add(r)
         deltas: Dict[str, List[StreamDelta]] = {r.seq.request_id: [] for r in requests}

@@ -1,23 +1,21 @@
-"""Caller input -> EngineRequest: the checks, the tokenizing and the grammar compile a request needs
+"""EngineInput -> EngineRequest: the checks, the tokenizing and the grammar compile a request needs
 before it enters the engine. Touches no engine state, so any thread may build requests."""
 
 from __future__ import annotations
 
 import threading
 import uuid
-from typing import List, Optional, Union
+from typing import List, Optional
 
 from batcher.block_hash import root_hash
 from batcher.detokenizer import IncrementalDetokenizer
+from batcher.engine_input import EngineInput, Prompt
 from batcher.engine_request import EngineChoice, EngineRequest
 from batcher.errors import InvalidRequestError, LoRANotFoundError, RequestTooLongError
 from batcher.grammar import GrammarCache
 from batcher.lora_runtime import LoRARuntime
-from batcher.sampling_params import SamplingParams
 from batcher.sequence import Sequence
 from batcher.structured_outputs import StructuredOutputs
-
-Prompt = Union[str, List[int]]
 
 
 class RequestBuilder:
@@ -47,22 +45,14 @@ class RequestBuilder:
         self.grammars: Optional[GrammarCache] = None  # made on the first constrained request
         self._grammars_lock = threading.Lock()
 
-    def build(
-        self,
-        prompt: Prompt,
-        params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        lora_name: Optional[str] = None,
-        lora_path: Optional[str] = None,
-    ) -> EngineRequest:
-        """Validates and tokenizes; loads the LoRA adapter `lora_name` if it is not in memory (from
-        `lora_path`, else where the engine's LoRA config says). Requests with different `cache_salt`s
+    def build(self, inp: EngineInput) -> EngineRequest:
+        """Validates and tokenizes; loads the LoRA adapter `inp.lora_name` if it is not in memory (from
+        `inp.lora_path`, else where the engine's LoRA config says). Requests with different `cache_salt`s
         or adapters never share prefix-cache blocks (batcher.block_hash)."""
-        params = params or SamplingParams()
-        if cache_salt is not None and not cache_salt:
+        params = inp.params
+        if inp.cache_salt is not None and not inp.cache_salt:
             raise InvalidRequestError("cache_salt must be a non-empty string when given")
-        ids = self._token_ids(prompt)
+        ids = self._token_ids(inp.prompt)
         bad = next((t for t in params.logit_bias if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"logit_bias: token id {bad} is out of the vocabulary [0, {self.vocab_size})")
@@ -72,13 +62,13 @@ class RequestBuilder:
                 raise RequestTooLongError(
                     name, needed, limit, f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}"
                 )
-        adapter = self._adapter(lora_name, lora_path)
+        adapter = self._adapter(inp.lora_name, inp.lora_path)
         lora_id = self._lora.cache_id(adapter) if adapter else None
         seq = Sequence(
-            request_id or uuid.uuid4().hex,
+            inp.request_id or uuid.uuid4().hex,
             ids,
             params,
-            cache_root=root_hash(self.model_name, cache_salt, lora_id),
+            cache_root=root_hash(self.model_name, inp.cache_salt, lora_id),
             lora_id=lora_id,
         )
         grammar = self.compile(params.structured_outputs) if params.structured_outputs is not None else None

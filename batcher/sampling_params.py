@@ -74,42 +74,26 @@ class SamplingParams(BaseModel):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, v: Union[None, str, List[str]]) -> List[str]:
-        if v is None:
-            return []
-        if isinstance(v, str):
-            v = [v]
-        if any(not s for s in v):
-            raise ValueError("stop strings must not be empty")
-        return list(v)
+        return stop_list(v)
 
     @field_validator("seed")
     @classmethod
     def _seed_fits_a_generator(cls, v: Optional[int]) -> Optional[int]:
-        # torch.Generator.manual_seed takes [-2**63, 2**64); past that the engine would crash mid-step
-        if v is not None and not SEED_RANGE[0] <= v < SEED_RANGE[1]:
-            raise ValueError(f"must be a 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1] - 1}]")
-        return v
+        return check_seed(v)
 
     @field_validator("logit_bias")
     @classmethod
     def _bias_in_range(cls, v: Dict[int, float]) -> Dict[int, float]:
-        lo, hi = LOGIT_BIAS_RANGE
-        bad = next((t for t, b in v.items() if not lo <= b <= hi), None)  # NaN fails the comparison too
-        if bad is not None:
-            raise ValueError(f"the bias of token {bad} is {v[bad]}, not a number in [{lo:g}, {hi:g}]")
-        return v
+        return check_logit_bias(v)
 
     @model_validator(mode="after")
     def _constraint_can_end(self):
-        if self.structured_outputs is not None and self.ignore_eos:
-            raise ValueError("ignore_eos: a structured output ends with EOS when its grammar is complete")
+        check_constraint_can_end(self.structured_outputs, self.ignore_eos)
         return self
 
     @model_validator(mode="after")
     def _min_tokens_fit(self):
-        # GenerateRequest's max_tokens may be None (the rest of the context): the SamplingParams made from it checks
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens {self.max_tokens}")
+        check_min_tokens(self.min_tokens, self.max_tokens)
         return self
 
     @property
@@ -126,3 +110,43 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# The checks, as functions: deployments.protocol.GenerateRequest, which declares the user-facing
+# fields itself, runs the same ones with the same messages.
+
+
+def stop_list(v: Union[None, str, List[str]]) -> List[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if any(not s for s in v):
+        raise ValueError("stop strings must not be empty")
+    return list(v)
+
+
+def check_seed(v: Optional[int]) -> Optional[int]:
+    # torch.Generator.manual_seed takes [-2**63, 2**64); past that the engine would crash mid-step
+    if v is not None and not SEED_RANGE[0] <= v < SEED_RANGE[1]:
+        raise ValueError(f"must be a 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1] - 1}]")
+    return v
+
+
+def check_logit_bias(v: Dict[int, float]) -> Dict[int, float]:
+    lo, hi = LOGIT_BIAS_RANGE
+    bad = next((t for t, b in v.items() if not lo <= b <= hi), None)  # NaN fails the comparison too
+    if bad is not None:
+        raise ValueError(f"the bias of token {bad} is {v[bad]}, not a number in [{lo:g}, {hi:g}]")
+    return v
+
+
+def check_constraint_can_end(structured_outputs: Optional[StructuredOutputs], ignore_eos: bool) -> None:
+    if structured_outputs is not None and ignore_eos:
+        raise ValueError("ignore_eos: a structured output ends with EOS when its grammar is complete")
+
+
+def check_min_tokens(min_tokens: int, max_tokens: Optional[int]) -> None:
+    """`max_tokens` None (a GenerateRequest's: the rest of the context) is checked once it is resolved."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ValueError(f"min_tokens: {min_tokens} is more than max_tokens {max_tokens}")

@@ -94,14 +94,7 @@ class LLMServer:
         choices' chunks interleave (GenerateChunk.index); the stream ends after each has finished."""
         _check_prepared(request)
         timer, reason, generated = metrics.RequestTimer(), "abort", {}  # "abort": the caller went away
-        deltas = self.engine.stream(
-            request.prompt_token_ids,
-            request.params,
-            request.request_id,
-            request.cache_salt,
-            request.lora_name,
-            request.lora_path,
-        )
+        deltas = self.engine.stream(request.engine_input())
         open_choices = set(range(request.params.n))
 
         def is_last(d) -> bool:  # called once per delta, in order
@@ -133,14 +126,7 @@ class LLMServer:
         _check_prepared(request)
         timer, deltas = metrics.RequestTimer(), []
         try:
-            async for d in self.engine.stream(
-                request.prompt_token_ids,
-                request.params,
-                request.request_id,
-                request.cache_salt,
-                request.lora_name,
-                request.lora_path,
-            ):
+            async for d in self.engine.stream(request.engine_input()):
                 if not deltas:
                     await self._saw_adapter(request.lora_name)
                 timer.saw(len(d.token_ids))  # the deltas, unlike engine.generate, time the first token

@@ -3,7 +3,7 @@
 Unknown request fields are refused with a 400, as OpenAI itself does. Penalties and logit_bias are
 OpenAI's, as are response_format (a JSON object or schema); repetition_penalty, min_tokens, top_k,
 ignore_eos, cache_salt and structured_outputs (json, regex, choice, grammar) are extensions (vLLM's
-names). Their ranges are SamplingParams', checked when the body becomes a GenerateRequest.
+names). Their ranges are GenerateRequest's, checked when the body becomes one.
 """
 
 from __future__ import annotations

@@ -80,12 +80,12 @@ def prepare(
 
 
 class PromptPreparer:
-    """`prepare` off the event loop. A long chat's template and tokenization take milliseconds (a
-    2,000-token turn ~3 ms here, more on a loaded machine); on the ingress's event loop they held up
-    every stream it relays and every routing decision made there, and a wave of chats queued behind
-    each other's (docs/routing.md). The tokenizer lets the loop run while it works. One thread: a
-    tokenizer is not guaranteed safe to share between threads, nor is the PieceTokenizer that
-    remembers the conversations' pieces (a chat's history is tokenized once, not every turn)."""
+    """`prepare` off the event loop. A long chat's template and tokenization take milliseconds; on the
+    ingress's event loop they would hold up every stream it relays and every routing decision made
+    there, and a wave of chats would queue behind each other's (docs/routing.md). The tokenizer lets
+    the loop run while it works. One thread: a tokenizer is not guaranteed safe to share between
+    threads, nor is the PieceTokenizer that remembers the conversations' pieces (a chat's history is
+    tokenized once, not every turn)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

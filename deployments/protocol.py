@@ -8,11 +8,21 @@ for chunk in handle.options(stream=True).stream.remote(GenerateRequest(...)): ..
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Literal, Optional, Union
+from typing import Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from batcher.sampling_params import SamplingParams
+from batcher.engine_input import EngineInput
+from batcher.sampling_params import (
+    MAX_N,
+    PENALTY_RANGE,
+    SamplingParams,
+    check_constraint_can_end,
+    check_logit_bias,
+    check_min_tokens,
+    check_seed,
+    stop_list,
+)
 from batcher.structured_outputs import StructuredOutputs
 from deployments.tool_calls import ToolChoice, ToolDefinition, check_tool_choice, constraint_schema
 
@@ -34,16 +44,73 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class GenerateRequest(SamplingParams):
-    """A prompt (text or token ids) or chat messages, plus SamplingParams' fields: what callers send
-    to the ingress (HTTP bodies become one too). The ingress turns it into a PreparedRequest.
+class GenerateRequest(BaseModel):
+    """A prompt (text or token ids) or chat messages, and how to sample the answer: what callers send
+    to the ingress (HTTP bodies become one too). The ingress turns it into a PreparedRequest, its
+    sampling fields into the engine's SamplingParams (`sampling_params`), with the same ranges and
+    checks (batcher.sampling_params' functions).
 
     `max_tokens=None` means: up to the end of the model's context window.
     """
 
+    model_config = ConfigDict(extra="forbid")
+
+    # The sampling fields come first: pydantic reports field errors in this order, and a 400 names the
+    # first (deployments.errors.validation_error).
+    max_tokens: Optional[int] = Field(None, ge=1, description="None: fill the rest of the context.")
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_N,
+        description="Choices to generate from the one prompt (prefilled once, "
+        "then forked); with `seed`, choice i samples with a seed derived from it (choice 0: `seed`).",
+    )
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    seed: Optional[int] = Field(None, description="Per-request seed: same tokens whatever the batch.")
+    stop: List[str] = Field(default_factory=list, description="Stop strings (not included in text).")
+    stop_token_ids: List[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = Field(
+        None, ge=0, le=20, description="Return the sampled token's logprob and this many top alternatives."
+    )
+    presence_penalty: float = Field(
+        0.0,
+        ge=PENALTY_RANGE[0],
+        le=PENALTY_RANGE[1],
+        allow_inf_nan=False,
+        description="Subtracted once from the logit of every token already in the output (OpenAI's).",
+    )
+    frequency_penalty: float = Field(
+        0.0,
+        ge=PENALTY_RANGE[0],
+        le=PENALTY_RANGE[1],
+        allow_inf_nan=False,
+        description="Subtracted from a token's logit once per time it is in the output (OpenAI's).",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Tokens of the prompt or output: positive logits divided "
+        "by it, negative ones multiplied (HF's and vLLM's); 1 = off, > 1 discourages repeats.",
+    )
+    logit_bias: Dict[int, float] = Field(
+        default_factory=dict,
+        description="Token id -> added to its logit, in [-100, 100] (OpenAI's; string "
+        "keys as JSON sends them are converted).",
+    )
+    min_tokens: int = Field(
+        0, ge=0, description="EOS and stop_token_ids cannot be sampled before this many tokens (vLLM's)."
+    )
+    structured_outputs: Optional[StructuredOutputs] = Field(
+        None,
+        description="The output must match this JSON schema, regex, choice or grammar (vLLM's field; "
+        "batcher.grammar enforces it token by token).",
+    )
     prompt: Union[str, List[int], None] = None
     messages: Optional[List[ChatMessage]] = None
-    max_tokens: Optional[int] = Field(None, ge=1, description="None: fill the rest of the context.")
     request_id: Optional[str] = None
     cache_salt: Optional[str] = Field(
         None,
@@ -68,6 +135,33 @@ class GenerateRequest(SamplingParams):
         description="The served model's name (None: it), a LoRA adapter's name, or `base:adapter` "
         "(Ray Serve LLM's form); deployments.adapters.AdapterRegistry resolves it.",
     )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Union[None, str, List[str]]) -> List[str]:
+        return stop_list(v)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_fits_a_generator(cls, v: Optional[int]) -> Optional[int]:
+        return check_seed(v)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, v: Dict[int, float]) -> Dict[int, float]:
+        return check_logit_bias(v)
+
+    # The sampling checks first, in SamplingParams' order, then the request's own: the first that fails
+    # is the 400.
+    @model_validator(mode="after")
+    def _constraint_can_end(self) -> "GenerateRequest":
+        check_constraint_can_end(self.structured_outputs, self.ignore_eos)
+        return self
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self) -> "GenerateRequest":
+        check_min_tokens(self.min_tokens, self.max_tokens)
+        return self
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
@@ -95,12 +189,21 @@ class GenerateRequest(SamplingParams):
         return "messages" if self.messages is not None else "prompt"
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        fields = set(SamplingParams.model_fields) - {"max_tokens", "structured_outputs"}
+        """The engine's SamplingParams, `max_tokens` resolved (the ingress's: None becomes the rest of
+        the context) and a tool choice's constraint in structured_outputs."""
         return SamplingParams(
             max_tokens=max_tokens,
             structured_outputs=self.structured_outputs or self.tool_constraint(),
-            **self.model_dump(include=fields),
+            **self.model_dump(include=set(PASSED_SAMPLING_FIELDS)),
         )
+
+
+# The fields GenerateRequest and SamplingParams both declare pass as they are; max_tokens and
+# structured_outputs are resolved first (GenerateRequest.sampling_params).
+PASSED_SAMPLING_FIELDS = frozenset(GenerateRequest.model_fields) & frozenset(SamplingParams.model_fields) - {
+    "max_tokens",
+    "structured_outputs",
+}
 
 
 @dataclass(frozen=True)
@@ -123,6 +226,12 @@ class PreparedRequest:
     def max_tokens(self) -> int:
         return self.params.max_tokens
 
+    def engine_input(self) -> EngineInput:
+        """What the replica's engine takes (AsyncLLMEngine.stream)."""
+        return EngineInput(
+            self.prompt_token_ids, self.params, self.request_id, self.cache_salt, self.lora_name, self.lora_path
+        )
+
 
 class TopLogprob(BaseModel):
     token_id: int
@@ -140,7 +249,7 @@ class OutputLogprob(BaseModel):
 
 
 class GeneratedChoice(BaseModel):
-    """One of a request's n outputs (SamplingParams.n)."""
+    """One of a request's n outputs (GenerateRequest.n)."""
 
     index: int = 0
     text: str

@@ -54,6 +54,7 @@ def main(argv: Optional[list] = None) -> dict:
     ap.add_argument("--out", help="write the result as JSON here")
     args = ap.parse_args(argv)
 
+    from batcher.engine_input import EngineInput
     from batcher.llm_engine import LLMEngine
     from batcher.sampling_params import SamplingParams
     from batcher.simulated import PRESETS
@@ -71,7 +72,7 @@ def main(argv: Optional[list] = None) -> dict:
     def make_request() -> None:
         sent[0] += 1
         head = [] if args.shared else [100 + sent[0] % 5000, 100 + sent[0] // 5000]
-        engine.add_request(head + text + [10 + sent[0] % 1000], params)
+        engine.add_request(EngineInput(head + text + [10 + sent[0] % 1000], params))
 
     full = cfg.engine.max_num_seqs
     keep_running(engine, make_request, full, args.warmup_s)

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from batcher.engine_input import EngineInput
 from load_tests.gpu_forward import (
     CONFIGS,
     build_model_dir,
@@ -87,7 +88,7 @@ def async_streams(path: Path, device: torch.device, backend: str, compile: str) 
 
     async def one(i: int) -> List[int]:
         await asyncio.sleep(0.002 * i)  # arrivals spread over the first steps: joins mid-batch
-        return [t async for d in e.stream(ps[i], greedy_params(lengths[i])) for t in d.token_ids]
+        return [t async for d in e.stream(EngineInput(ps[i], greedy_params(lengths[i]))) for t in d.token_ids]
 
     async def all_streams():
         return await asyncio.gather(*(one(i) for i in range(len(ps))))
@@ -150,7 +151,9 @@ def lora_parity(path: Path, adapters: Dict[str, str], device: torch.device, back
         lora={"adapters": adapters, "max_loras": 4},
     )
     requests = {
-        (name, i): e.make_request(p, greedy_params(n), lora_name=name) for name in names for i, p in enumerate(ps)
+        (name, i): e.make_request(EngineInput(p, greedy_params(n), lora_name=name))
+        for name in names
+        for i, p in enumerate(ps)
     }
     for r in requests.values():
         e.add(r)
@@ -195,7 +198,7 @@ def lora_throughput(
 
         def run(count=batch, tokens=new_tokens, pick=pick):
             for i, p in enumerate(ps[:count]):
-                e.add(e.make_request(p, greedy_params(tokens), lora_name=pick(i)))
+                e.add(e.make_request(EngineInput(p, greedy_params(tokens), lora_name=pick(i))))
             while e.has_unfinished():
                 e.step()
 

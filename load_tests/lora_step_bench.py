@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from batcher import EngineConfig, LLMEngine, SamplingParams
+from batcher import EngineConfig, EngineInput, LLMEngine, SamplingParams
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -46,7 +46,7 @@ def decode_steps(engine: LLMEngine, names: List[Optional[str]], prompt_len: int,
     """Mean seconds of `steps` decode steps of one batch (after its prefill)."""
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     requests = [
-        engine.make_request([100 + (i * 7 + j) % 5000 for j in range(prompt_len)], params, lora_name=n)
+        engine.make_request(EngineInput([100 + (i * 7 + j) % 5000 for j in range(prompt_len)], params, lora_name=n))
         for i, n in enumerate(names)
     ]
     for r in requests:

@@ -12,6 +12,7 @@ from batcher import (
     AsyncLLMEngine,
     EngineConfig,
     EngineDeadError,
+    EngineInput,
     InvalidRequestError,
     LLMEngine,
     RequestTooLongError,
@@ -47,7 +48,7 @@ def test_concurrent_streams_equal_offline_greedy(engine):
     expected = LLMEngine(CONFIG).generate(prompts, params)
 
     async def collect(p, sp):
-        deltas = [d async for d in engine.stream(p, sp)]
+        deltas = [d async for d in engine.stream(EngineInput(p, sp))]
         assert all(d.finish_reason is None for d in deltas[:-1]) and deltas[-1].finish_reason == "length"
         return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
 
@@ -61,7 +62,7 @@ def test_concurrent_streams_equal_offline_greedy(engine):
 
 def test_a_slow_reader_gets_the_first_token_alone_and_the_rest_merged(engine):
     async def main():
-        stream = engine.stream([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
+        stream = engine.stream(EngineInput([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True)))
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)  # the request goes to the engine
         # This event loop is stuck (a busy caller) until the engine has generated everything.
@@ -80,7 +81,9 @@ def test_a_slow_reader_gets_the_first_token_alone_and_the_rest_merged(engine):
 
 def test_leaving_the_stream_aborts_and_frees_blocks(engine):
     async def main():
-        stream = engine.stream([7, 8, 9], SamplingParams(max_tokens=400, ignore_eos=True), request_id="leaver")
+        stream = engine.stream(
+            EngineInput([7, 8, 9], SamplingParams(max_tokens=400, ignore_eos=True), request_id="leaver")
+        )
         async for _ in stream:
             break
         assert engine.stats().running == 1
@@ -95,7 +98,7 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine):
 
 def test_cancelled_task_aborts(engine):
     async def consume():
-        async for _ in engine.stream([3, 4], SamplingParams(max_tokens=400, ignore_eos=True)):
+        async for _ in engine.stream(EngineInput([3, 4], SamplingParams(max_tokens=400, ignore_eos=True))):
             pass
 
     async def main():
@@ -112,7 +115,7 @@ def test_cancelled_task_aborts(engine):
 
 def test_errors_come_from_the_first_iteration_and_the_loop_lives_on(engine):
     async def first(prompt, params=None, request_id=None):
-        async for d in engine.stream(prompt, params, request_id):
+        async for d in engine.stream(EngineInput(prompt, params or SamplingParams(), request_id)):
             return d
 
     with pytest.raises(RequestTooLongError, match="max_model_len"):
@@ -121,14 +124,14 @@ def test_errors_come_from_the_first_iteration_and_the_loop_lives_on(engine):
         run(first(""))
 
     async def duplicate():
-        a = engine.stream([5], SamplingParams(max_tokens=50, ignore_eos=True), request_id="dup")
+        a = engine.stream(EngineInput([5], SamplingParams(max_tokens=50, ignore_eos=True), request_id="dup"))
         await a.__anext__()
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await first([6], None, "dup")
         await a.aclose()
 
     run(duplicate())
-    done = run(engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
+    done = run(engine.generate(EngineInput([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))))
     assert len(done.token_ids) == 4 and done.finish_reason == "length"
     engine.check_health()
     assert engine.stats().loop_alive
@@ -160,7 +163,7 @@ def test_check_health_fails_while_the_loop_is_stuck_with_work():
         e.check_health()
 
         async def stalled_stream():
-            stream = e.stream([5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+            stream = e.stream(EngineInput([5, 6], SamplingParams(max_tokens=400, ignore_eos=True)))
             await stream.__anext__()  # the request is running in the engine
             steps = e.stats().steps
             e.stall_for_tests(4.0)
@@ -193,7 +196,7 @@ def test_a_round_is_published_no_sooner_than_its_heartbeat():
     try:
 
         async def stalled_stream():
-            stream = e.stream([5, 6], SamplingParams(max_tokens=40, ignore_eos=True))
+            stream = e.stream(EngineInput([5, 6], SamplingParams(max_tokens=40, ignore_eos=True)))
             await stream.__anext__()
             e.stall_for_tests(1.0)
             return [d async for d in stream]
@@ -243,7 +246,9 @@ def test_callers_read_a_published_snapshot_never_the_engine_queues():
         sched.waiting, sched.running = waiting, running
 
         async def one(i):
-            return [d async for d in e.stream([5 + i, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))]
+            return [
+                d async for d in e.stream(EngineInput([5 + i, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True)))
+            ]
 
         async def main():
             tasks = [asyncio.ensure_future(one(i)) for i in range(12)]
@@ -282,13 +287,13 @@ def test_a_dead_loop_is_logged_once_and_fails_open_streams_at_once(caplog):
     try:
 
         async def main():
-            stream = e.stream([5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+            stream = e.stream(EngineInput([5, 6], SamplingParams(max_tokens=400, ignore_eos=True)))
             await stream.__anext__()
             _break_the_loop(e)
             with pytest.raises(EngineDeadError, match="scheduler failed"):
                 await asyncio.wait_for(_drain(stream), 10)
             with pytest.raises(EngineDeadError, match="scheduler failed"):
-                await asyncio.wait_for(_drain(e.stream([7], SamplingParams(max_tokens=4))), 10)
+                await asyncio.wait_for(_drain(e.stream(EngineInput([7], SamplingParams(max_tokens=4)))), 10)
 
         with caplog.at_level(logging.ERROR, logger="batcher.async_engine"):
             run(main())
@@ -309,7 +314,7 @@ def test_a_stream_registered_just_after_the_loop_died_fails_at_once():
             request = make_request(*args, **kwargs)
             _break_the_loop(e)
             e.abort("nothing")  # wakes the loop: it steps nothing yet
-            e._send("add", make_request([9, 9], SamplingParams(max_tokens=2)))
+            e._send("add", make_request(EngineInput([9, 9], SamplingParams(max_tokens=2))))
             e._thread.join(timeout=10)
             assert not e._thread.is_alive()
             return request
@@ -317,7 +322,7 @@ def test_a_stream_registered_just_after_the_loop_died_fails_at_once():
         e.engine.make_request = make_then_die
 
         async def main():
-            return await asyncio.wait_for(_drain(e.stream([5], SamplingParams(max_tokens=4))), 10)
+            return await asyncio.wait_for(_drain(e.stream(EngineInput([5], SamplingParams(max_tokens=4)))), 10)
 
         with pytest.raises(EngineDeadError, match="scheduler failed"):
             run(main())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import tiny_config
 
-from batcher import EngineConfig, LLMEngine, SamplingParams
+from batcher import EngineConfig, EngineInput, LLMEngine, SamplingParams
 from batcher.trace import FINISHED, GENERATED, IDLE, PROMPT
 from load_tests import experiment
 from load_tests.bench_metrics import format_sweep
@@ -34,7 +34,9 @@ def _traced_run(scheduling: str, slots: int = 4, trace_steps: int = 1000):
         )
     )
     for i, (prompt, n) in enumerate(zip(random_prompts(12, 10, (17, 4000), seed=1), LENGTHS)):
-        engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=f"r{i}")
+        engine.add_request(
+            EngineInput(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id=f"r{i}")
+        )
     while engine.has_unfinished():
         engine.step()
     return engine.trace

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from batcher import EngineConfig, InvalidRequestError, LLMEngine, RequestTooLongError, SamplingParams
+from batcher import EngineConfig, EngineInput, InvalidRequestError, LLMEngine, RequestTooLongError, SamplingParams
 from tests.reference import mixed_prompts
 
 
@@ -41,7 +41,7 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny):
 
 def test_abort_frees_every_block_running_or_waiting(tiny):
     prompts = mixed_prompts("tiny-llama", n_random=4)
-    ids = [tiny.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in prompts]
+    ids = [tiny.add_request(EngineInput(p, SamplingParams(max_tokens=50, ignore_eos=True))) for p in prompts]
     for _ in range(3):
         tiny.step()
     assert tiny.stats().kv_blocks_free < tiny.stats().kv_blocks_total
@@ -53,13 +53,13 @@ def test_abort_frees_every_block_running_or_waiting(tiny):
 
 
 def test_too_long_requests_are_refused_and_others_carry_on(tiny):
-    good = tiny.add_request([5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True))
+    good = tiny.add_request(EngineInput([5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True)))
     with pytest.raises(RequestTooLongError, match="max_model_len is 256") as e:
-        tiny.add_request(list(range(100, 300)), SamplingParams(max_tokens=100))
+        tiny.add_request(EngineInput(list(range(100, 300)), SamplingParams(max_tokens=100)))
     assert e.value.limit == 256 and e.value.needed == 300
     small_kv = LLMEngine(EngineConfig(model="tiny-llama", num_kv_blocks=8, block_size=4, watermark=0))
     with pytest.raises(RequestTooLongError, match="KV cache capacity is 32"):
-        small_kv.add_request(list(range(100, 120)), SamplingParams(max_tokens=20))
+        small_kv.add_request(EngineInput(list(range(100, 120)), SamplingParams(max_tokens=20)))
     out = []
     while tiny.has_unfinished():
         out += tiny.step()
@@ -74,12 +74,12 @@ def test_invalid_input_is_refused_with_a_clear_message(tiny):
     with pytest.raises(ValidationError, match="top_p"):
         SamplingParams(top_p=0)
     with pytest.raises(InvalidRequestError, match="empty"):
-        tiny.add_request("")
+        tiny.add_request(EngineInput(""))
     with pytest.raises(InvalidRequestError, match="token ids"):
-        tiny.add_request([1, 2, 10**9])
-    rid = tiny.add_request([5, 6], SamplingParams(max_tokens=1))
+        tiny.add_request(EngineInput([1, 2, 10**9]))
+    rid = tiny.add_request(EngineInput([5, 6], SamplingParams(max_tokens=1)))
     with pytest.raises(InvalidRequestError, match="already in flight"):
-        tiny.add_request([5, 6], request_id=rid)
+        tiny.add_request(EngineInput([5, 6], request_id=rid))
     while tiny.has_unfinished():
         tiny.step()
 

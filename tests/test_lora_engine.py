@@ -13,7 +13,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from batcher import EngineConfig, LLMEngine, SamplingParams
+from batcher import EngineConfig, EngineInput, LLMEngine, SamplingParams
 from batcher.errors import InvalidRequestError, LoRANotFoundError
 from batcher.lora_adapter import AdapterStore, LoRAAdapter
 from batcher.model_loader import load_model, tiny_llama
@@ -76,7 +76,7 @@ def test_each_adapter_equals_the_merged_peft_model_and_a_mixed_batch_equals_each
     alone = {}
     for name in names:
         for i, p in enumerate(prompts):
-            request = engine.make_request(p, GREEDY, lora_name=name)
+            request = engine.make_request(EngineInput(p, GREEDY, lora_name=name))
             engine.add(request)
             while engine.has_unfinished():
                 engine.step()
@@ -86,7 +86,7 @@ def test_each_adapter_equals_the_merged_peft_model_and_a_mixed_batch_equals_each
         assert alone[name, 0] == expected, name
     assert len({tuple(alone[n, 0]) for n in names}) == 4  # every adapter changes the output
     # one batch: every (adapter, prompt) pair at once
-    requests = [engine.make_request(p, GREEDY, lora_name=n) for n in names for p in prompts]
+    requests = [engine.make_request(EngineInput(p, GREEDY, lora_name=n)) for n in names for p in prompts]
     for r in requests:
         engine.add(r)
     while engine.has_unfinished():
@@ -108,7 +108,7 @@ def test_scarce_slots_and_preemption_keep_every_output(adapters):
     plain = engine_with(adapters, max_loras=4)
     expected = {}
     for n, p in zip(names, prompts):
-        request = plain.make_request(p, GREEDY, lora_name=n)
+        request = plain.make_request(EngineInput(p, GREEDY, lora_name=n))
         plain.add(request)
         while plain.has_unfinished():
             plain.step()
@@ -124,7 +124,7 @@ def test_scarce_slots_and_preemption_keep_every_output(adapters):
             lora={"adapters": adapters, "max_loras": 1},
         )
     )
-    requests = [tight.make_request(p, GREEDY, lora_name=n) for n, p in zip(names, prompts)]
+    requests = [tight.make_request(EngineInput(p, GREEDY, lora_name=n)) for n, p in zip(names, prompts)]
     for r in requests:
         tight.add(r)
     while tight.has_unfinished():
@@ -142,7 +142,7 @@ def test_adapters_never_share_cached_blocks(adapters):
     prompt = list(range(100, 140))
     full = (len(prompt) - 1) // 8 * 8  # the full blocks before the last token (block_size 8)
     for name, cached in [(None, 0), (None, full), ("a", 0), ("a", full), ("b", 0), (None, full)]:
-        request = engine.make_request(prompt, SamplingParams(max_tokens=1, temperature=0), lora_name=name)
+        request = engine.make_request(EngineInput(prompt, SamplingParams(max_tokens=1, temperature=0), lora_name=name))
         engine.add(request)
         while engine.has_unfinished():
             engine.step()
@@ -158,7 +158,7 @@ def test_smollm2_adapter_equals_the_merged_peft_model(tmp_path):
         )
     )
     prompt = mixed_prompts("smollm2-135m-instruct", n_random=0)[0]
-    out = engine.make_request(prompt, GREEDY, lora_name="smol")
+    out = engine.make_request(EngineInput(prompt, GREEDY, lora_name="smol"))
     engine.add(out)
     while engine.has_unfinished():
         engine.step()
@@ -202,7 +202,7 @@ def test_bad_adapters_are_refused_naming_the_problem(adapters, tmp_path):
     with pytest.raises(InvalidRequestError, match="must be 1-128"):
         engine.load_lora("../etc", adapters["a"])
     with pytest.raises(LoRANotFoundError):
-        engine.make_request([5, 6, 7], GREEDY, lora_name="nobody")
+        engine.make_request(EngineInput([5, 6, 7], GREEDY, lora_name="nobody"))
     assert engine.generate([5, 6, 7], GREEDY)[0].token_ids  # still serving
     assert engine.lora_names() == []
 
@@ -212,7 +212,7 @@ def test_dynamic_loading_and_unload(adapters, tmp_path):
     engine = LLMEngine(
         EngineConfig(model=TINY, dtype="float32", num_kv_blocks=128, lora={"dynamic_lora_loading_path": str(root)})
     )
-    request = engine.make_request([5, 6, 7], GREEDY, lora_name="b")  # loaded from <root>/b on first use
+    request = engine.make_request(EngineInput([5, 6, 7], GREEDY, lora_name="b"))  # loaded from <root>/b on first use
     assert request.adapter.rank == 8 and engine.lora_names() == ["b"]
     assert engine.unload_lora("b") and engine.lora_names() == []
     assert json.loads((Path(adapters["b"]) / "adapter_config.json").read_text())["r"] == 8
@@ -244,7 +244,9 @@ def test_concurrent_requests_for_a_cold_adapter_read_it_once(adapters):
         )
     )
     with ThreadPoolExecutor(8) as pool:
-        requests = list(pool.map(lambda i: engine.make_request([5, 6, 7 + i], GREEDY, lora_name="c"), range(8)))
+        requests = list(
+            pool.map(lambda i: engine.make_request(EngineInput([5, 6, 7 + i], GREEDY, lora_name="c")), range(8))
+        )
     assert {id(r.adapter) for r in requests} == {id(requests[0].adapter)}
     assert engine.stats().lora_counters["c"]["loads"] == 1
 
@@ -254,7 +256,7 @@ def test_an_adapter_reloaded_with_other_weights_is_served_with_them(adapters):
     prompt = mixed_prompts(TINY, n_random=0)[0]
 
     def run(name):
-        request = engine.make_request(prompt, GREEDY, lora_name=name)
+        request = engine.make_request(EngineInput(prompt, GREEDY, lora_name=name))
         engine.add(request)
         while engine.has_unfinished():
             engine.step()
@@ -285,7 +287,7 @@ def test_the_compiled_forward_serves_mixed_adapters_exactly_with_the_warm_up_gra
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     outs = {}
     for engine in (eager, compiled):
-        requests = [engine.make_request(p, GREEDY, lora_name=n) for n, p in zip(names, prompts)]
+        requests = [engine.make_request(EngineInput(p, GREEDY, lora_name=n)) for n, p in zip(names, prompts)]
         for r in requests:
             engine.add(r)
         while engine.has_unfinished():

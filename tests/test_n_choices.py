@@ -17,7 +17,7 @@ import openai
 import pytest
 from conftest import TINY, eventually
 
-from batcher import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from batcher import AsyncLLMEngine, EngineConfig, EngineInput, LLMEngine, SamplingParams
 from deployments.config import LimitsConfig
 from deployments.errors import APIError
 from deployments.limits import RequestLimits
@@ -58,7 +58,7 @@ def test_prompt_is_prefilled_once_and_its_blocks_shared_then_freed(tiny, prompts
     prompt = (prompts[0] * 2)[:prompt_len]
     bm, start = tiny.block_manager, tiny.block_manager.num_free_blocks
     computed = tiny.counters.tokens_computed
-    request = tiny.make_request(prompt, GREEDY3, cache_salt=f"len{prompt_len}")  # nothing cached before
+    request = tiny.make_request(EngineInput(prompt, GREEDY3, cache_salt=f"len{prompt_len}"))  # nothing cached before
     tiny.add(request)
     rid = request.seq.request_id
     step_until_forked(tiny, rid, 3)
@@ -135,7 +135,7 @@ def test_choices_without_a_seat_or_block_wait_and_come_back_the_same(prompts, co
 @pytest.mark.parametrize("steps", [0, 1, 3])  # before the prompt is computed (nothing forked yet), and after
 def test_abort_ends_every_choice_and_frees_every_block(tiny, prompts, steps):
     start = tiny.block_manager.num_free_blocks
-    rid = tiny.add_request(prompts[0], SamplingParams(n=3, max_tokens=50, ignore_eos=True))
+    rid = tiny.add_request(EngineInput(prompts[0], SamplingParams(n=3, max_tokens=50, ignore_eos=True)))
     for _ in range(steps):
         tiny.step()
     finals = tiny.abort_choices(rid)
@@ -154,11 +154,11 @@ def test_async_stream_interleaves_choices_and_ends_after_the_last():
             deltas = [
                 d
                 async for d in engine.stream(
-                    prompt, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=2, ignore_eos=True)
+                    EngineInput(prompt, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=2, ignore_eos=True))
                 )
             ]
             whole = await engine.generate_choices(
-                prompt, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=2, ignore_eos=True)
+                EngineInput(prompt, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=2, ignore_eos=True))
             )
             # The loop publishes its snapshot after the round that freed the blocks, in its own thread.
             stats = await eventually(

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from batcher import EngineConfig, LLMEngine, SamplingParams
+from batcher import EngineConfig, EngineInput, LLMEngine, SamplingParams
 from batcher.errors import InvalidRequestError
 from batcher.sampler import Sampler
 from batcher.sequence import Sequence
@@ -268,8 +268,8 @@ def test_min_tokens_delays_eos(tiny_engine):
 def test_engine_refuses_logit_bias_outside_the_vocabulary(tiny_engine):
     for bad in (tiny_engine.vocab_size, -1):
         with pytest.raises(InvalidRequestError, match="logit_bias: token id"):
-            tiny_engine.make_request("hi", SamplingParams(logit_bias={bad: 1.0}))
-    tiny_engine.make_request("hi", SamplingParams(logit_bias={tiny_engine.vocab_size - 1: 1.0}))
+            tiny_engine.make_request(EngineInput("hi", SamplingParams(logit_bias={bad: 1.0})))
+    tiny_engine.make_request(EngineInput("hi", SamplingParams(logit_bias={tiny_engine.vocab_size - 1: 1.0})))
 
 
 class _DeviceLogits(torch.Tensor):

@@ -7,7 +7,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from batcher import EngineConfig, LLMEngine, SamplingParams
+from batcher import EngineConfig, EngineInput, LLMEngine, SamplingParams
 from batcher.simulated import ANSWER_TEXT, PRESETS, StepTimeModel
 
 
@@ -64,7 +64,7 @@ def test_the_engine_counts_the_whole_answers_of_the_requests_that_ended(sim):
     # answers counted whole as they end: finished ones (both choices of n = 2) and aborted ones.
     before = sim.stats()
     sim.generate(list(range(2000, 2040)), SamplingParams(max_tokens=12, n=2, ignore_eos=True, temperature=0.8))
-    rid = sim.add_request(list(range(3000, 3040)), SamplingParams(max_tokens=500, ignore_eos=True))
+    rid = sim.add_request(EngineInput(list(range(3000, 3040)), SamplingParams(max_tokens=500, ignore_eos=True)))
     for _ in range(6):
         sim.step()
     sim.abort(rid)

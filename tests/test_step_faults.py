@@ -22,6 +22,7 @@ from test_serve_faults import Stream, read_stream
 
 from batcher.async_engine import MAX_FAILED_STEPS_IN_A_ROW, AsyncLLMEngine
 from batcher.config import EngineConfig
+from batcher.engine_input import EngineInput
 from batcher.errors import EngineDeadError, StepError
 from batcher.llm_engine import LLMEngine
 from batcher.sampling_params import SamplingParams
@@ -91,11 +92,11 @@ def test_a_failing_forward_fails_its_step_requests_only_and_the_engine_serves_on
     engine = LLMEngine(CONFIG)
     total = engine.stats().kv_blocks_free
     fault = ModelFault(engine.runner.model)
-    a = engine.add_request(A, GREEDY)
+    a = engine.add_request(EngineInput(A, GREEDY))
     engine.step()
     engine.step()  # `a` is decoding
-    b = engine.add_request(B, GREEDY)
-    c = engine.add_request(C, GREEDY)  # queued: max_num_seqs is 2
+    b = engine.add_request(EngineInput(B, GREEDY))
+    c = engine.add_request(EngineInput(C, GREEDY))  # queued: max_num_seqs is 2
     with pytest.raises(StepError, match="engine step failed: RuntimeError: injected kernel fault") as failed:
         engine.step()
     assert sorted(failed.value.request_ids) == sorted([a, b])
@@ -105,7 +106,7 @@ def test_a_failing_forward_fails_its_step_requests_only_and_the_engine_serves_on
     assert (s.failed_steps, s.failed_requests, s.finished_requests) == (1, 2, 0)
 
     fault.remove()
-    b_again = engine.add_request(B, GREEDY)  # what b's failed step half wrote is never reused
+    b_again = engine.add_request(EngineInput(B, GREEDY))  # what b's failed step half wrote is never reused
     got = _run_to_end(engine)
     assert got[c] == clean[tuple(C)] and got[b_again] == clean[tuple(B)]
     s = engine.stats()
@@ -134,14 +135,14 @@ def test_a_failing_step_fails_its_streams_and_the_loop_serves_on(clean, caplog):
     total = e.stats().kv_blocks_free
 
     async def main():
-        running = e.stream(A, SamplingParams(max_tokens=400, ignore_eos=True))
+        running = e.stream(EngineInput(A, SamplingParams(max_tokens=400, ignore_eos=True)))
         await running.__anext__()
         with pytest.raises(StepError, match="RuntimeError: injected kernel fault"):
-            await asyncio.wait_for(_drain(e.stream(B, GREEDY)), 30)
+            await asyncio.wait_for(_drain(e.stream(EngineInput(B, GREEDY))), 30)
         with pytest.raises(StepError, match="injected kernel fault"):  # it was in that step too
             await asyncio.wait_for(_drain(running), 30)
         e.check_health()
-        return await asyncio.wait_for(e.generate(C, GREEDY), 30)
+        return await asyncio.wait_for(e.generate(EngineInput(C, GREEDY)), 30)
 
     try:
         with caplog.at_level(logging.ERROR, logger="batcher.async_engine"):
@@ -164,20 +165,20 @@ def test_failing_steps_in_a_row_kill_the_loop_and_fail_the_health_check():
     async def fail(n: int):
         for i in range(n):
             with pytest.raises(StepError, match="injected kernel fault"):
-                await asyncio.wait_for(e.generate(B + [i], short), 30)
+                await asyncio.wait_for(e.generate(EngineInput(B + [i], short)), 30)
 
     async def main():
         await fail(MAX_FAILED_STEPS_IN_A_ROW - 1)
-        await asyncio.wait_for(e.generate(A, short), 30)  # a good step: the count starts again
+        await asyncio.wait_for(e.generate(EngineInput(A, short)), 30)  # a good step: the count starts again
         await fail(MAX_FAILED_STEPS_IN_A_ROW - 1)
         e.check_health()
         dead = f"{MAX_FAILED_STEPS_IN_A_ROW} engine steps failed in a row, the last with .*injected kernel fault"
         with pytest.raises(EngineDeadError, match=dead):  # this step's request too: the loop died
-            await asyncio.wait_for(e.generate(B, short), 30)
+            await asyncio.wait_for(e.generate(EngineInput(B, short)), 30)
         with pytest.raises(EngineDeadError, match=dead):
             e.check_health()
         with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(e.generate(A, short), 30)
+            await asyncio.wait_for(e.generate(EngineInput(A, short)), 30)
 
     try:
         asyncio.run(main())

@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 from xgrammar.contrib.hf import LogitsProcessor as XgrammarLogitsProcessor
 
-from batcher import EngineConfig, LLMEngine, SamplingParams
+from batcher import EngineConfig, EngineInput, LLMEngine, SamplingParams
 from batcher.errors import InvalidRequestError
 from batcher.structured_outputs import StructuredOutputs
 from tests.reference import hf_greedy, reference_model
@@ -116,7 +116,7 @@ def test_preemption_keeps_the_grammar_state():
 )
 def test_bad_constraints_are_refused_naming_the_problem(engine, spec, message):
     with pytest.raises(InvalidRequestError, match=message):
-        engine.make_request("hi", SamplingParams(structured_outputs=spec))
+        engine.make_request(EngineInput("hi", SamplingParams(structured_outputs=spec)))
     [out] = engine.generate("hi", SamplingParams(max_tokens=3, temperature=0))  # still serving
     assert len(out.token_ids) == 3
 
@@ -125,9 +125,9 @@ def test_a_compile_past_its_deadline_is_refused_then_cached():
     engine = LLMEngine(EngineConfig(model="tiny-llama", grammar_compile_timeout_s=1e-6))
     spec = StructuredOutputs(json={"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(40)}})
     with pytest.raises(InvalidRequestError, match="took longer than"):
-        engine.make_request("hi", SamplingParams(structured_outputs=spec))
+        engine.make_request(EngineInput("hi", SamplingParams(structured_outputs=spec)))
     engine.builder.grammars.compile_timeout_s = 30  # the first compile finished in the background and was kept
-    assert engine.make_request("hi", SamplingParams(structured_outputs=spec)).grammar is not None
+    assert engine.make_request(EngineInput("hi", SamplingParams(structured_outputs=spec))).grammar is not None
 
 
 def test_invalid_specs_fail_validation():
@@ -143,7 +143,7 @@ def test_invalid_specs_fail_validation():
 def test_simulated_replicas_refuse_constraints():
     engine = LLMEngine(EngineConfig(model="sim:cpu-smollm2"))
     with pytest.raises(InvalidRequestError, match="simulated"):
-        engine.make_request("hi", SamplingParams(structured_outputs=StructuredOutputs(json_object=True)))
+        engine.make_request(EngineInput("hi", SamplingParams(structured_outputs=StructuredOutputs(json_object=True))))
 
 
 SCHEMA_SUITE = {
